@@ -1,0 +1,119 @@
+"""Engine configuration: frozen dataclasses, validated at construction.
+
+`EngineConfig.create` is the one place that turns loose keyword arguments (from the CLI or
+from `LLM(**kwargs)`) into these objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_memory_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '2g', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read memory size {text!r}: write a number with a unit, e.g. '1GiB' or '512MiB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def default_cache_dir() -> Path:
+    """Where slow-to-rebuild artefacts (converted checkpoints, compiled kernels) live."""
+    root = os.environ.get("LLMACCEL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmaccel")
+    return Path(root)
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on the CPU (no bf16 hardware here), bfloat16 on CUDA
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
+        if self.dtype != "auto":
+            _dtype_from_name(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return _dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes; the number of blocks follows from it
+    num_kv_blocks: int | None = None  # sets the count directly, overriding kv_cache_memory
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_kv_blocks is None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own limit, capped by the KV budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def create(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
+        """Build a config from flat keyword arguments; unknown names are an error."""
+        if "kv_cache_memory" in kwargs:
+            kwargs["kv_cache_memory"] = parse_memory_size(kwargs["kv_cache_memory"])  # type: ignore[arg-type]
+        parts = {}
+        for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            names = {f.name for f in fields(klass)}
+            chosen = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            if klass is ModelConfig:
+                chosen["model"] = model
+            parts[name] = klass(**chosen)  # type: ignore[arg-type]
+        if kwargs:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        return cls(**parts)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Engine: requests, KV blocks, scheduling, the step loop."""

@@ -1,0 +1,223 @@
+"""LLMEngine: add_request / abort_request / step. One step = schedule, execute, update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmaccel.config import EngineConfig
+from llmaccel.engine.detokenizer import IncrementalDetokenizer
+from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
+from llmaccel.engine.request import Request, RequestStatus
+from llmaccel.engine.scheduler import Scheduler
+from llmaccel.errors import InvalidRequestError
+from llmaccel.model.llama import LlamaForCausalLM
+from llmaccel.model.loader import load_checkpoint
+from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmaccel.runner import ModelRunner
+from llmaccel.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one of a request's n samples."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[Logprob] | None
+
+
+@dataclass
+class _Group:
+    """A user request: its n samples share a prompt and one output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    finished_reported: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.device = torch.device(config.model.device)
+        self.dtype = config.model.torch_dtype
+        checkpoint = load_checkpoint(config.model.model)
+        self.spec = checkpoint.spec
+        self.tokenizer = checkpoint.tokenizer
+        self.hf_dir = checkpoint.hf_dir
+
+        block_size = config.cache.block_size
+        bytes_per_token = self.spec.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        num_blocks = config.cache.num_kv_blocks or config.cache.kv_cache_memory // (bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "
+                             f"tokens ({bytes_per_token * block_size} B); raise --kv-cache-memory")
+        limits = [self.spec.max_position_embeddings, num_blocks * block_size]
+        if config.scheduler.max_model_len is not None:
+            limits.append(config.scheduler.max_model_len)
+        if self.spec.sliding_window:  # windowed attention is not implemented yet: stay inside the window
+            limits.append(self.spec.sliding_window)
+        self.max_model_len = min(limits)
+        self.num_blocks = num_blocks
+        model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
+                                 max_positions=self.max_model_len, use_kernel=use_kernel)
+        del checkpoint
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "
+                    "attention: %s", num_blocks, block_size, num_blocks * block_size,
+                    num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,
+                    "C++ paged kernel" if model.attention.uses_kernel else "torch reference")
+        self._groups: dict[str, _Group] = {}
+        self._sample_to_group: dict[str, _Group] = {}
+        self._counter = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError (a ValueError) naming the problem;
+        nothing is queued then, and every other request carries on."""
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._validate_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        samples = []
+        for i in range(params.n):
+            sample_params = params
+            if params.n > 1 and params.seed is not None:  # different but reproducible samples
+                sample_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i, "n": 1})
+            sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+            samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
+        group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival_time=arrival))
+        self._groups[request_id] = group
+        for sample in samples:
+            self._sample_to_group[sample.request.request_id] = group
+            self.scheduler.add_request(sample.request)
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit); shorten the prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for sample in group.samples:
+            self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_ABORTED)
+            self._forget(sample)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, update. Returns an output for each request that changed."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        now = time.time()
+        for item in scheduled.scheduled:
+            group = self._sample_to_group[item.request.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        results = self.runner.execute(scheduled)
+        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _) in results.items()})
+        now = time.time()
+        changed: dict[str, _Group] = {}
+        for request in advanced:
+            group = self._sample_to_group[request.request_id]
+            sample = next(s for s in group.samples if s.request is request)
+            if sample.logprobs is not None and results[request.request_id][1] is not None:
+                sample.logprobs.append(results[request.request_id][1])
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            if self._detokenize(sample, request):
+                if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
+                    request.status = RequestStatus.FINISHED_STOPPED
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            changed[group.request_id] = group
+        outputs = []
+        for group in changed.values():
+            if group.finished:
+                group.metrics.finished_time = now
+                for sample in group.samples:
+                    self._forget(sample)
+                del self._groups[group.request_id]
+            outputs.append(self._make_output(group))
+        return outputs
+
+    def _detokenize(self, sample: _Sample, request: Request) -> bool:
+        """Feed the new token to the detokenizer; True if a stop string ended the request."""
+        token = request.output_token_ids[-1]
+        if request.is_finished and request.stop_reason == token:
+            return False  # EOS / stop token: not part of the text
+        if sample.detokenizer.add_token(token):
+            request.stop_reason = sample.detokenizer.stop_string
+            return True
+        return False
+
+    def _forget(self, sample: _Sample) -> None:
+        self._sample_to_group.pop(sample.request.request_id, None)
+        self.runner.release(sample.request.request_id)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, sample in enumerate(group.samples):
+            request = sample.request
+            reason = request.status.value if request.is_finished else None
+            completions.append(CompletionOutput(index=i, text=sample.detokenizer.output_text,
+                                                token_ids=list(request.output_token_ids), finish_reason=reason,
+                                                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                                                stop_reason=request.stop_reason))
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
+                             finished=group.finished, metrics=group.metrics)
+
+    # ---- introspection ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.kv_cache.block_size)

@@ -1,0 +1,86 @@
+"""Request: one sequence being generated, as the scheduler and KV cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from llmaccel.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A prompt and its growing output.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; `num_tokens` counts all tokens
+    (prompt + output). The scheduler's only job is to close that gap.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """Finish on EOS / stop_token_ids / max_tokens after a token was appended. Stop strings
+        are the detokenizer's job, since they need text."""
+        token = self.output_token_ids[-1]
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token
+                return True
+        if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value}, blocks={self.block_ids})")

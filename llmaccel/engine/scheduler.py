@@ -1,0 +1,136 @@
+"""Scheduler: one token-budget rule for every request.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
+`num_tokens`; each step first gives every running request its next tokens (1 when decoding, a
+chunk when prefilling) within `max_num_batched_tokens`, then admits waiting requests while the
+budget, `max_num_seqs` and free blocks last. When a running request cannot get a block, the most
+recently admitted running request is preempted: its blocks are freed and it goes back to the head
+of the queue, to be recomputed later. Chunked prefill falls out of this rule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmaccel.config import SchedulerConfig
+from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so its logits give a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone as well
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request by its chunk and append its sampled token, if any.
+
+        Returns the requests that received a token this step (finished ones included, already
+        removed from the running list and with their blocks freed).
+        """
+        advanced = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.check_stop_token():
+                self._remove(request)
+            advanced.append(request)
+        return advanced
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request from outside (stop string, abort): free its blocks at once."""
+        if request.is_finished:
+            return
+        request.status = status
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv_cache.free(request)

@@ -1,0 +1,153 @@
+"""GGUF (llama architecture) -> an HF-format directory in the cache, keyed by the file's hash.
+
+Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), q/k
+rows are un-permuted back to HF's rotate-half layout (llama.cpp's converter interleaves them), and
+the tokenizer and chat template are rebuilt from the GGUF metadata by transformers. Both llmaccel
+and the HF baseline then load the same directory, so they see bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmaccel.errors import CorruptCheckpointError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation (interleaved rotary pairs -> rotate-half)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_to_hf_dir(path: Path, cache_root: Path) -> Path:
+    """Convert once; later calls return the cached directory at once."""
+    digest = file_digest(path)
+    out = cache_root / "gguf" / f"{path.stem}-{digest[:16]}"
+    if (out / "llmaccel-complete").exists():
+        return out
+    import gguf  # imported here: only GGUF users pay for it
+
+    logger.warning("converting %s to an HF directory under %s (once per file)", path.name, out)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                                    f"llmaccel reads {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    config = _config_from_metadata(reader, arch, path)
+    state = _tensors(reader, config, path, gguf)
+    config["tie_word_embeddings"] = "lm_head.weight" not in state
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        from safetensors.torch import save_file
+        from transformers import AutoTokenizer
+
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}))
+        (tmp / "llmaccel-complete").write_text(str(path) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _config_from_metadata(reader, arch: str, path: Path) -> dict:
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise CorruptCheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_heads = int(need("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": int(need("embedding_length")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+
+
+def _tensors(reader, config: dict, path: Path, gguf) -> dict[str, torch.Tensor]:
+    state = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+            hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        elif len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
+            hf_name = f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+        else:
+            continue  # e.g. rope_freqs: recomputed from the config
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"{path}: tensor {name} has type {tensor.tensor_type.name}, "
+                                        f"which the gguf package cannot dequantize") from exc
+            values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{path}: tensor {name} is unreadable, the file may be truncated "
+                                         f"({type(exc).__name__}: {exc})") from exc
+        if parts[-2:] == ["attn_q", "weight"] or parts[-2:] == ["attn_q", "bias"]:
+            values = _unpermute(values, config["num_attention_heads"])
+        elif parts[-2:] == ["attn_k", "weight"] or parts[-2:] == ["attn_k", "bias"]:
+            values = _unpermute(values, config["num_key_value_heads"])
+        state[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+    if "model.embed_tokens.weight" not in state:
+        raise CorruptCheckpointError(f"{path}: GGUF has no token_embd.weight tensor")
+    return state

@@ -1,0 +1,106 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) on a flattened batch with paged KV.
+
+The model sees `[total_tokens, hidden]`; attention metadata says which tokens belong to whom and
+where their keys and values live in the pool. The LM head runs only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from llmaccel.model.spec import ModelSpec
+from llmaccel.ops.attention import AttentionMetadata, PagedAttention
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, qkv: Linear, o: Linear, mlp: GatedMLP, input_norm: RMSNorm,
+                 post_norm: RMSNorm) -> None:
+        super().__init__()
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv, self.o, self.mlp = qkv, o, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attention: PagedAttention, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        residual = hidden
+        qkv = self.qkv(self.input_norm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        hidden = residual + self.o(attn.reshape(num_tokens, self.q_size))
+        return hidden + self.mlp(self.post_norm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, use_kernel: bool | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        take = _WeightTaker(weights, dtype, device)
+        self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qkv_bias = take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                                 p + "self_attn.v_proj.bias"]) if spec.qkv_bias else None
+            qkv = Linear(take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                   p + "self_attn.v_proj.weight"]), qkv_bias)
+            o = Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias") if spec.o_bias else None)
+            gate_up_bias = take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if spec.mlp_bias else None
+            mlp = GatedMLP(Linear(take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), gate_up_bias),
+                           Linear(take(p + "mlp.down_proj.weight"),
+                                  take(p + "mlp.down_proj.bias") if spec.mlp_bias else None))
+            input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            input_norm.weight.data = take(p + "input_layernorm.weight")
+            post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            post_norm.weight.data = take(p + "post_attention_layernorm.weight")
+            layers.append(DecoderLayer(spec, qkv, o, mlp, input_norm, post_norm))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm.weight.data = take("model.norm.weight")
+        if spec.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = nn.Parameter(take("lm_head.weight"), requires_grad=False)
+        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
+                                      dtype).to(device)
+        self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, self.attention, kv_cache, meta)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+class _WeightTaker:
+    """Pulls named tensors out of a checkpoint, cast and placed, naming any that are missing."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            from llmaccel.errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"checkpoint has no tensor {name!r}")
+        return self.weights[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        return torch.cat([self(n) for n in names], dim=0)

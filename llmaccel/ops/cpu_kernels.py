@@ -1,0 +1,63 @@
+"""Builds the C++ CPU kernels once (torch cpp_extension) and caches the build by source hash.
+
+The first build takes ~30 s (torch's headers are heavy); later processes load the cached library
+in well under a second. If no compiler is available, callers fall back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from llmaccel.config import default_cache_dir
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed: str | None = None
+
+
+def _cpu_signature() -> str:
+    """Identify the CPU's instruction set, since the build uses -march=native."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled kernel module, or None (with the reason logged once) if it cannot be built."""
+    global _module, _failed
+    if os.environ.get("LLMACCEL_DISABLE_KERNELS") == "1":
+        return None
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        import torch
+        from torch.utils.cpp_extension import load
+
+        source = _SOURCE.read_bytes()
+        digest = hashlib.sha256(source + _cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
+        build_dir = default_cache_dir() / "kernels" / digest
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob("*.so")):
+            logger.warning("compiling llmaccel's CPU paged-attention kernel (once per machine, ~30 s)")
+        try:
+            _module = load(name=f"llmaccel_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+                           verbose=False)
+        except Exception as exc:  # no compiler, no ninja, ...: the torch reference still works
+            _failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU kernels unavailable, using the torch reference attention (%s)", _failed[:300])
+        return _module

@@ -1,0 +1,106 @@
+"""ModelRunner: turns a SchedulerOutput into batch tensors, runs the model, samples.
+
+It owns the KV pool (one K and one V tensor per layer, `[num_blocks * block_size, kv_heads,
+head_dim]`) and each seeded request's generator. It knows requests only as token spans.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmaccel.engine.request import Request
+from llmaccel.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmaccel.model.llama import LlamaForCausalLM
+from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
+from llmaccel.outputs import Logprob
+from llmaccel.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        spec = model.spec
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        num_slots = num_blocks * block_size
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        # The C++ kernel and the prefill path read only written slots, so untouched memory may stay
+        # unmapped (RSS grows with use); the torch reference masks padding but needs finite values.
+        alloc = torch.empty if model.attention.uses_kernel else torch.zeros
+        self.kv_caches = [(alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
+                          for _ in range(spec.num_layers)]
+        self.sampler = Sampler(spec.vocab_size, device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, Logprob | None]]:
+        """Run one step; returns the sampled token (and logprobs) of every request that samples."""
+        decodes = [s for s in output.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in output.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots = [], [], []
+        sample_rows: list[int] = []
+        sampled_items: list[ScheduledRequest] = []
+        for item in ordered:
+            request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(self._slots(request, start, start + count))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sampled_items.append(item)
+        meta = self._metadata(decodes, prefills, slots)
+        device = self.device
+        hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                            meta, self.kv_caches)
+        if not sampled_items:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+        rows = [self._sampling_row(item.request) for item in sampled_items]
+        tokens, logprobs = self.sampler.sample(logits, rows)
+        return {item.request.request_id: (tokens[i], logprobs[i]) for i, item in enumerate(sampled_items)}
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs, blocks = self.block_size, request.block_ids
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
+                  slots: list[int]) -> AttentionMetadata:
+        device = self.device
+        tables = lens = None
+        if decodes:
+            width = max(len(s.request.block_ids) for s in decodes)
+            tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes],
+                                  dtype=torch.int32, device=device)
+            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32,
+                                device=device)
+        spans = []
+        offset = len(decodes)
+        for item in prefills:
+            start = item.request.num_computed_tokens
+            context_len = start + item.num_new_tokens
+            context_slots = None
+            if start > 0:
+                context_slots = torch.tensor(self._slots(item.request, 0, context_len), device=device)
+            spans.append(PrefillSpan(offset, item.num_new_tokens, context_len, context_slots))
+            offset += item.num_new_tokens
+        return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                                 num_decode_tokens=len(decodes), decode_block_tables=tables,
+                                 decode_context_lens=lens, prefills=spans, block_size=self.block_size)
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+                self._generators[request.request_id] = generator
+        suppress: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            suppress = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, generator, suppress)

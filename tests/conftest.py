@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import TINY_CONFIGS, build_tokenizer, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: make_tiny_model(name, root, tiny_tokenizer) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama-gqa"]

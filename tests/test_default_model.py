@@ -1,0 +1,44 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32) against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmaccel.llm import LLM
+from llmaccel.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "请用一句话介绍长城。",
+             "Explain what a hash table is in two sentences."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2-135m")
+
+
+def test_answers_the_capital_question(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_greedy_tokens_match_hf_alone_and_batched(llm):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.hf_dir), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=2)
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              generation_config=config)
+            expected.append(out[0, len(ids):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

@@ -6,6 +6,8 @@ head_dim]`) and each seeded request's generator. It knows requests only as token
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from llmaccel.engine.request import Request
@@ -25,13 +27,26 @@ class ModelRunner:
         self.device = device
         num_slots = num_blocks * block_size
         shape = (num_slots, spec.num_kv_heads, spec.head_dim)
-        # The C++ kernel and the prefill path read only written slots, so untouched memory may stay
-        # unmapped (RSS grows with use); the torch reference masks padding but needs finite values.
-        alloc = torch.empty if model.attention.uses_kernel else torch.zeros
-        self.kv_caches = [(alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
-                          for _ in range(spec.num_layers)]
+        self._buffers: list[mmap.mmap] = []
+        self.kv_caches = [(self._allocate(shape, dtype), self._allocate(shape, dtype)) for _ in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, device)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV tensor. On the CPU it is anonymous mmap memory asking for transparent huge pages:
+        the OS zero-fills it lazily, so RSS grows only as blocks are used, and 2 MiB pages take 512x
+        fewer page faults (and TLB misses) than 4 KiB ones as decode writes scattered slots."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buffer = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()),
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        self._buffers.append(buffer)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -1,9 +1,8 @@
 // Paged attention for decode (one query token per sequence) on the CPU.
 //
 // Reads keys and values straight from the block-structured KV pool through each sequence's block
-// table, so nothing is gathered or copied. One work item is (sequence, kv head): the G query heads
-// that share a kv head are scored together, so each key and value row is loaded once. Softmax is
-// computed online (running max and sum), one pass over the context. Threads come from ATen's own
+// table, so nothing is gathered or copied. One work item is a sequence; its blocks are read row by row
+// (contiguous memory), each row once per pass for all heads. Threads come from ATen's own
 // pool (at::parallel_for), so the kernel never competes with a second OpenMP runtime.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,54 +13,70 @@
 #include <vector>
 
 template <typename scalar_t>
+static inline float dot(const float* a, const scalar_t* b, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
+  return sum;
+}
+
+template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * head_dim), qf(group * head_dim), row_max(group), row_sum(group), score(group);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max<int64_t>(max_len, context_lens[s]);
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    // Per sequence: pass 1 scores every key for every head, reading each block's rows in order
+    // (contiguous memory); then softmax per head; pass 2 sums the weighted values the same way.
+    // Separate branch-free loops let the compiler vectorise each one.
+    std::vector<float> acc(num_heads * head_dim), qf(num_heads * head_dim), scores(num_heads * max_len);
+    std::vector<float> inv_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = context_lens[seq];
       const int32_t* table = block_tables + seq * max_blocks;
-      const scalar_t* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
-        const scalar_t* v_row = v_cache + (slot * num_kv_heads + kv_head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k_row[d]);
-          score[g] = dot;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* acc_g = acc.data() + g * head_dim;
-          float weight;
-          if (score[g] > row_max[g]) {
-            const float rescale = std::exp(row_max[g] - score[g]);
-            row_sum[g] = row_sum[g] * rescale + 1.0f;
-            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] *= rescale;
-            row_max[g] = score[g];
-            weight = 1.0f;
-          } else {
-            weight = std::exp(score[g] - row_max[g]);
-            row_sum[g] += weight;
+      const scalar_t* q_seq = q + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* block = k_cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row_stride;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* k_row = block + j * row_stride + (h / group) * head_dim;
+            scores[h * len + t0 + j] = dot(qf.data() + h * head_dim, k_row, head_dim);
           }
-          for (int64_t d = 0; d < head_dim; ++d) acc_g[d] += weight * static_cast<float>(v_row[d]);
         }
       }
-      scalar_t* out_seq = out + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = row_sum[g] > 0 ? 1.0f / row_sum[g] : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d)
-          out_seq[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          total += s[t];
+        }
+        inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
       }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* block = v_cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row_stride;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* v_row = block + j * row_stride + (h / group) * head_dim;
+            const float w = scores[h * len + t0 + j];
+            float* acc_h = acc.data() + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
+          }
+        }
+      }
+      scalar_t* out_seq = out + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_seq[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
     }
   });
 }

@@ -1,0 +1,1 @@
+"""Benchmarks: offline (vs HF transformers) and, later, serving."""

@@ -1,0 +1,114 @@
+"""Command line: `llmaccel generate | bench offline`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model alias (smollm2-135m), a .gguf file, or an HF directory with safetensors")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
+    parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    parser.add_argument("--max-model-len", type=int, help="context window (default: the model's, capped by the KV budget)")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    options = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.num_kv_blocks:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return options
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    parser.add_argument("--min-tokens", type=int, default=0, help="generate at least this many before EOS may stop")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, [-2, 2]")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty (> 0)")
+    parser.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    parser.add_argument("--n", type=int, default=1, help="number of samples")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmaccel.llm import LLM
+    from llmaccel.sampling_params import SamplingParams
+
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, **_engine_options(args))
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    out = outputs[0]
+    for completion in out.outputs:
+        print(completion.text)
+    if args.verbose:
+        m = out.metrics
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        took = (m.finished_time or 0) - m.arrival_time
+        print(f"[{len(out.prompt_token_ids)} prompt tokens, {tokens} generated, {took:.2f} s, "
+              f"{tokens / max(took, 1e-9):.1f} tok/s, finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmaccel", description="LLM inference accelerator")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for one prompt (offline, no server)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
+    _add_engine_arguments(gen)
+    _add_sampling_arguments(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from llmaccel.bench import offline
+
+    off = bench_commands.add_parser("offline", help="llmaccel vs HF transformers on the same prompts, in one run",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    offline.add_arguments(off)
+    off.set_defaults(func=offline.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # every user mistake is a ValueError with a message that says what to change
+        print(f"llmaccel: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
-    parser.add_argument("--max-model-len", type=int, help="context window (default: the model's, capped by the KV budget)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="context window (default: the model's, capped by the KV budget)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

@@ -70,13 +70,13 @@ def make_tiny_model(name: str, root: Path, tokenizer: PreTrainedTokenizerFast) -
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' own greedy generate, EOS ignored (the oracle)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     model = _hf_model(model_dir)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             generation_config=config)
+        mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=mask, generation_config=config)
     return out[0, len(prompt_ids):].tolist()
 
 

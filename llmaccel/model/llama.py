@@ -6,6 +6,8 @@ where their keys and values live in the pool. The LM head runs only on the rows 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +44,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernel: bool | None = None) -> None:
         super().__init__()
         self.spec = spec
@@ -92,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
 class _WeightTaker:
     """Pulls named tensors out of a checkpoint, cast and placed, naming any that are missing."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self.weights, self.dtype, self.device = weights, dtype, device
 
     def __call__(self, name: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         aliases = ", ".join(MODEL_ALIASES)
-        raise ModelNotFoundError(f"model {model!r} not found: give an HF directory, a .gguf file or an alias ({aliases})")
+        raise ModelNotFoundError(
+            f"model {model!r} not found: give an HF directory, a .gguf file or an alias ({aliases})")
     return path
 
 
@@ -72,21 +74,49 @@ def read_spec(hf_dir: Path) -> ModelSpec:
     return spec
 
 
-def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's *.safetensors files (memory-mapped, then copied on cast)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """Tensors of a directory's *.safetensors files, read one at a time on access.
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    Building the model pulls each tensor when it needs it, so the process never holds the whole
+    checkpoint and the model side by side (peak memory stays near the model's own size).
+    """
+
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
+        self._handles = []
+        self._where: dict[str, object] = {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+                names = list(handle.keys())
+            except Exception as exc:
+                raise CorruptCheckpointError(f"{file}: unreadable safetensors file, perhaps truncated "
+                                             f"({type(exc).__name__}: {exc})") from exc
+            self._handles.append((file, handle))
+            for name in names:
+                self._where[name] = (file, handle)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, handle = self._where[name]
         try:
-            weights.update(load_file(str(file)))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise CorruptCheckpointError(f"{file}: unreadable safetensors file, perhaps truncated ({exc})") from exc
-    return weights
+            return handle.get_tensor(name)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{file}: tensor {name!r} is unreadable, perhaps truncated "
+                                         f"({type(exc).__name__}: {exc})") from exc
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_weights(hf_dir: Path) -> SafetensorsWeights:
+    return SafetensorsWeights(hf_dir)
 
 
 def load_tokenizer(hf_dir: Path):
@@ -102,7 +132,7 @@ def load_tokenizer(hf_dir: Path):
 class LoadedCheckpoint:
     hf_dir: Path
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: object
 
 

@@ -1,0 +1,73 @@
+"""Write a tiny llama-architecture GGUF file from a tiny HF checkpoint, as llama.cpp's converter
+does: q/k rows permuted for interleaved RoPE, tensors in a chosen GGML type, tokenizer metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's LlamaModel.permute."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, config: dict, tokenizer) -> Path:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    special = set(tokenizer.all_special_ids)
+    writer.add_token_types([3 if i in special else 1 for _, i in vocab])  # 3 = control, 1 = normal
+    import json
+
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            gguf_name = f"blk.{parts[2]}.{NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        data = tensor.astype(np.float32)
+        if gguf_name.endswith("attn_q.weight"):
+            data = permute(data, config["num_attention_heads"])
+        elif gguf_name.endswith("attn_k.weight"):
+            data = permute(data, config["num_key_value_heads"])
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            quantized = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -125,7 +125,7 @@ def test_truncated_gguf(tiny_model_dirs, tiny_tokenizer, tmp_path, monkeypatch):
 
     from tests.tiny_gguf import write_gguf
 
-    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path / "cache"))  # conversion must really run
     source = tiny_model_dirs["llama-tied"]
     config = json.loads((source / "config.json").read_text())
     path = write_gguf(source, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0, config, tiny_tokenizer)

@@ -31,6 +31,10 @@ def _write(tied_dir, tmp_path, qtype, tokenizer):
 
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
+    """A fresh conversion cache per test, so conversion really runs (kernels stay in the user's cache)."""
+    from llmaccel.ops.cpu_kernels import load_cpu_kernels
+
+    load_cpu_kernels()
     monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path / "cache"))
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmaccel.ops.cpu_linear import pack_weight, packed_linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -74,18 +76,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). The quantization issue swaps this module for packed-weight variants."""
+    """y = x W^T (+ b). On the CPU the weight is pre-packed for oneDNN (see ops/cpu_linear.py);
+    the quantization issue swaps this module for packed-integer variants."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = pack_weight(weight)
+        self.weight = None if self.packed is not None else weight  # keep one copy only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

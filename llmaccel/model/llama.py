@@ -70,10 +70,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
-        if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = nn.Parameter(take("lm_head.weight"), requires_grad=False)
+        tied = spec.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Linear(self.embed.data if tied else take("lm_head.weight"))
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
                                       dtype).to(device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
@@ -88,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class _WeightTaker:

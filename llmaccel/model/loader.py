@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from llmaccel.config import default_cache_dir
-from llmaccel.errors import CorruptCheckpointError, ModelNotFoundError
+from llmaccel.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from llmaccel.model.gguf_convert import gguf_to_hf_dir
 from llmaccel.model.spec import ModelSpec
 
@@ -74,45 +74,70 @@ def read_spec(hf_dir: Path) -> ModelSpec:
     return spec
 
 
-class SafetensorsWeights(Mapping[str, torch.Tensor]):
-    """Tensors of a directory's *.safetensors files, read one at a time on access.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
-    Building the model pulls each tensor when it needs it, so the process never holds the whole
-    checkpoint and the model side by side (peak memory stays near the model's own size).
+
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """Tensors of a directory's *.safetensors files, each read from disk when first asked for.
+
+    Reading with plain file I/O (not a memory map) means the process holds one copy of each tensor
+    only, and never the whole file beside the model: peak memory stays near the model's own size.
+    The format is the documented one: an 8-byte header length, a JSON header, then raw data.
     """
 
     def __init__(self, hf_dir: Path) -> None:
-        from safetensors import safe_open
-
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
             raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
-        self._handles = []
-        self._where: dict[str, object] = {}
+        self._where: dict[str, tuple[Path, int, dict]] = {}
         for file in files:
-            try:
-                handle = safe_open(str(file), framework="pt")
-                names = list(handle.keys())
-            except Exception as exc:
-                raise CorruptCheckpointError(f"{file}: unreadable safetensors file, perhaps truncated "
-                                             f"({type(exc).__name__}: {exc})") from exc
-            self._handles.append((file, handle))
-            for name in names:
-                self._where[name] = (file, handle)
+            for name, (data_start, info) in _read_header(file).items():
+                self._where[name] = (file, data_start, info)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file, handle = self._where[name]
-        try:
-            return handle.get_tensor(name)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{file}: tensor {name!r} is unreadable, perhaps truncated "
-                                         f"({type(exc).__name__}: {exc})") from exc
+        file, data_start, info = self._where[name]
+        begin, end = info["data_offsets"]
+        tensor = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+        with open(file, "rb") as f:
+            f.seek(data_start + begin)
+            read = f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+        if read != end - begin:
+            raise CorruptCheckpointError(f"{file}: tensor {name!r} is cut short, the file is truncated")
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def _read_header(file: Path) -> dict[str, tuple[int, dict]]:
+    """Names -> (offset of the data section, header entry); checks the file holds all the data."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        entries = {}
+        for name, info in header.items():
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise UnsupportedModelError(f"{file}: tensor {name!r} has dtype {info['dtype']}, not supported")
+            begin, end = info["data_offsets"]
+            if data_start + end > size:
+                raise ValueError(f"tensor {name!r} ends at byte {data_start + end} of a {size}-byte file")
+            entries[name] = (data_start, info)
+        return entries
+    except UnsupportedModelError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{file}: unreadable safetensors file, perhaps truncated ({exc})") from exc
 
 
 def load_weights(hf_dir: Path) -> SafetensorsWeights:

@@ -1,1 +1,12 @@
-"""llmaccel"""
+"""llmaccel: an LLM inference accelerator (paged KV cache, continuous batching)."""
+
+from llmaccel.logging_setup import configure_logging
+
+configure_logging()
+
+from llmaccel.llm import LLM  # noqa: E402
+from llmaccel.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from llmaccel.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmaccel", description="LLM inference accelerator")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-level", default="INFO", help="llmaccel's log level: DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text for one prompt (offline, no server)",
@@ -96,14 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     offline.add_arguments(off)
     off.set_defaults(func=offline.run)
+    from llmaccel.bench import report
+
+    rep = bench_commands.add_parser("report-offline", help="markdown table and a PNG bar chart from result files",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    report.add_arguments(rep)
+    rep.set_defaults(func=report.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        parser.error(f"--log-level {args.log_level!r}: choose DEBUG, INFO, WARNING or ERROR")
+    logging.getLogger("llmaccel").setLevel(level)
     try:
         return args.func(args)
     except ValueError as exc:  # every user mistake is a ValueError with a message that says what to change

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
-    forwarded = [a for a in sys.argv[1:] if a not in ("bench", "offline")]
+    argv = sys.argv[1:]
+    forwarded = argv[argv.index("offline") + 1:] if "offline" in argv else []
     results = []
     for system in systems:
         print(f"== {system}", file=sys.stderr, flush=True)

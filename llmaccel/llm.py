@@ -75,7 +75,7 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine went idle with {len(pending)} request(s) unfinished")
-            for output in self.engine.step():
+            for output in self.engine.step(emit_unfinished=False):
                 if output.finished and output.request_id in pending:
                     finished[output.request_id] = output
                     pending.discard(output.request_id)

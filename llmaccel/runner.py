@@ -6,6 +6,8 @@ head_dim]`) and each seeded request's generator. It knows requests only as token
 
 from __future__ import annotations
 
+import ctypes
+import math
 import mmap
 
 import torch
@@ -17,6 +19,8 @@ from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow
 
+_HUGE_PAGE = 2 << 20
+
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -27,26 +31,26 @@ class ModelRunner:
         self.device = device
         num_slots = num_blocks * block_size
         shape = (num_slots, spec.num_kv_heads, spec.head_dim)
-        self._buffers: list[mmap.mmap] = []
-        self.kv_caches = [(self._allocate(shape, dtype), self._allocate(shape, dtype)) for _ in range(spec.num_layers)]
+        self._buffer: mmap.mmap | None = None
+        slab = self._allocate((spec.num_layers, 2, *shape), dtype)
+        self.kv_caches = [(slab[i, 0], slab[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, device)
         self._generators: dict[str, torch.Generator] = {}
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed KV tensor. On the CPU it is anonymous mmap memory asking for transparent huge pages:
-        the OS zero-fills it lazily, so RSS grows only as blocks are used, and 2 MiB pages take 512x
-        fewer page faults (and TLB misses) than 4 KiB ones as decode writes scattered slots."""
+        """The zeroed KV pool. On the CPU it is one anonymous mmap, 2 MiB-aligned and marked for
+        transparent huge pages: the OS zero-fills it lazily, so RSS grows only as blocks are used, and
+        decode's scattered first writes take one page fault per 2 MiB instead of one per 4 KiB."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        buffer = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()),
-                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        numel = math.prod(shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self._buffer = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        self._buffers.append(buffer)
-        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+            self._buffer.madvise(mmap.MADV_HUGEPAGE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))
+        offset = -address % _HUGE_PAGE
+        return torch.frombuffer(self._buffer, dtype=dtype, count=numel, offset=offset).view(shape)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

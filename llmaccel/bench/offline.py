@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="llmaccel KV cache budget")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="llmaccel max sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="llmaccel token budget per step")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every system this many times, alternating, and report medians (noisy machines)")
     parser.add_argument("--result-json", type=Path, help="write all figures to this JSON file")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
 
@@ -123,21 +125,32 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
     argv = sys.argv[1:]
     forwarded = argv[argv.index("offline") + 1:] if "offline" in argv else []
-    results = []
-    for system in systems:
-        print(f"== {system}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, "-m", "llmaccel.cli", "bench", "offline", *forwarded,
-                               "--worker", system], stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{system} failed (exit {proc.returncode})")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+    runs: dict[str, list[dict]] = {system: [] for system in systems}
+    for round_index in range(max(1, args.repeat)):
+        for system in systems:  # alternate systems, so slow drifts of the machine hit both alike
+            print(f"== {system} (run {round_index + 1}/{max(1, args.repeat)})", file=sys.stderr, flush=True)
+            proc = subprocess.run([sys.executable, "-m", "llmaccel.cli", "bench", "offline", *forwarded,
+                                   "--worker", system], stdout=subprocess.PIPE, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"{system} failed (exit {proc.returncode})")
+            runs[system].append(json.loads(lines[-1][len("RESULT "):]))
+    results = [_median_run(runs[system]) for system in systems]
     _print_table(results, args)
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                 "results": results}, indent=2))
     return 0
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median wall time, plus every run's wall time."""
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["all_wall_s"] = [r["wall_s"] for r in runs]
+    median["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
+    return median
 
 
 def _print_table(results: list[dict], args: argparse.Namespace) -> None:

@@ -151,8 +151,9 @@ class LLMEngine:
         return len(self._groups)
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update. Returns an output for each request that changed."""
+    def step(self, emit_unfinished: bool = True) -> list[RequestOutput]:
+        """Schedule, run the model, update. Returns an output for each request that changed
+        (only for those that finished when `emit_unfinished` is False, as the offline API needs)."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -184,6 +185,8 @@ class LLMEngine:
                 for sample in group.samples:
                     self._forget(sample)
                 del self._groups[group.request_id]
+            elif not emit_unfinished:
+                continue
             outputs.append(self._make_output(group))
         return outputs
 

@@ -1,7 +1,10 @@
 """llmaccel: an LLM inference accelerator (paged KV cache, continuous batching)."""
 
+import os
+
 from llmaccel.logging_setup import configure_logging
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a model hub at run time
 configure_logging()
 
 from llmaccel.llm import LLM  # noqa: E402

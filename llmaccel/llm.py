@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -28,10 +29,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string or a list of token ids. Invalid prompts raise before anything runs.
+        `use_tqdm=None` shows a progress bar for batches of more than 8 prompts on a terminal.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -54,7 +56,7 @@ class LLM:
 
     def chat(self, conversations: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
@@ -68,7 +70,9 @@ class LLM:
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        if use_tqdm is None:
+            use_tqdm = len(ids) > 8 and sys.stderr.isatty()
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)

@@ -15,9 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _label(data: dict) -> str:
     args = data["args"]
     first = data["results"][0]
+    prompts = f"{first['num_prompts']} prompt{'s' if first['num_prompts'] != 1 else ''}"
     if args.get("output_len") not in (None, "None"):
-        return f"{first['num_prompts']} prompt(s) x {args['output_len']} tokens"
-    return f"{first['num_prompts']} prompts, built-in lengths"
+        return f"{prompts} x {args['output_len']} tokens"
+    return f"{prompts}, built-in lengths"
 
 
 def markdown_table(files: list[Path]) -> str:

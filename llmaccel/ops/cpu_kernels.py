@@ -36,6 +36,18 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the PyPI package's binary sits in the venv, which is not
+    on PATH unless the venv is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernel module, or None (with the reason logged once) if it cannot be built."""
     global _module, _failed
@@ -51,6 +63,7 @@ def load_cpu_kernels() -> ModuleType | None:
         digest = hashlib.sha256(source + _cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
         build_dir = default_cache_dir() / "kernels" / digest
         build_dir.mkdir(parents=True, exist_ok=True)
+        _put_ninja_on_path()
         if not any(build_dir.glob("*.so")):
             logger.warning("compiling llmaccel's CPU paged-attention kernel (once per machine, ~30 s)")
         try:

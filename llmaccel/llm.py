@@ -17,7 +17,7 @@ from llmaccel.engine.engine import LLMEngine
 from llmaccel.outputs import RequestOutput
 from llmaccel.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}, as in vLLM
 Conversation = list[dict[str, str]]
 
 
@@ -47,7 +47,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(self.engine.add_request(None, prompt, params))
+                ids.append(self.engine.add_request(None, _unwrap(prompt), params))
         except ValueError:
             for request_id in ids:  # all or nothing: leave the engine as it was
                 self.engine.abort_request(request_id)
@@ -62,6 +62,9 @@ class LLM:
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -86,3 +89,13 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt

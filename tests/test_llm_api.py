@@ -34,6 +34,15 @@ def test_token_id_prompts_are_accepted(llm):
     assert by_text[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
 
 
+def test_dict_prompts_as_in_vllm(llm):
+    ids = llm.get_tokenizer().encode("The quick brown fox")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    by_ids, by_text = llm.generate([{"prompt_token_ids": ids}, {"prompt": "The quick brown fox"}], params)
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="a dict prompt needs 'prompt' or 'prompt_token_ids'"):
+        llm.generate([{"text": "hi"}], params)
+
+
 def test_the_same_seed_gives_the_same_text_alone_and_in_a_batch_of_16(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate("Tell me a story about a dragon.", params)[0].outputs[0]

@@ -35,7 +35,7 @@ class LLM:
         A prompt is a string or a list of token ids. Invalid prompts raise before anything runs.
         `use_tqdm=None` shows a progress bar for batches of more than 8 prompts on a terminal.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:

@@ -40,3 +40,18 @@ def test_engine_without_kernel_gives_the_same_tokens(llama_dir):
     assert not reference.engine.runner.model.attention.uses_kernel
     assert [o.outputs[0].token_ids for o in reference.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in with_kernel]
+
+
+@pytest.mark.parametrize("use_kernel", [None, False])
+def test_bfloat16_runs_on_both_attention_paths(llama_dir, use_kernel):
+    """The CUDA default dtype, exercised here on the CPU: both attention paths accept bfloat16."""
+    from llmaccel.llm import LLM
+    from llmaccel.sampling_params import SamplingParams
+
+    llm = LLM(str(llama_dir), dtype="bfloat16", use_kernel=use_kernel)
+    assert next(iter(llm.engine.runner.kv_caches))[0].dtype == torch.bfloat16
+    float32 = LLM(str(llama_dir)).generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=3,
+                                                                                  ignore_eos=True))
+    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 20
+    assert out[0].outputs[0].token_ids[:3] == float32[0].outputs[0].token_ids  # rounding differs, not meaning

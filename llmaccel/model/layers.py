@@ -22,10 +22,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # torch's fused kernel: the same formula, bit-identical here
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -63,11 +64,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """qk: [T, H + KVH, D], queries and keys side by side so one pass rotates both; positions: [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return qk * cos + _rotate_half(qk) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

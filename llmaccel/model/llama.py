@@ -33,11 +33,9 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         residual = hidden
         qkv = self.qkv(self.input_norm(hidden))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qk = rotary(positions, qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         hidden = residual + self.o(attn.reshape(num_tokens, self.q_size))
         return hidden + self.mlp(self.post_norm(hidden))

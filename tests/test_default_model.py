@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
+from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +27,8 @@ def test_answers_the_capital_question(llm):
 
 
 def test_greedy_tokens_match_hf_alone_and_batched(llm):
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.hf_dir), dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=2)
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              generation_config=config)
-            expected.append(out[0, len(ids):].tolist())
+    expected = [hf_greedy(llm.engine.hf_dir, ids, 40) for ids in prompts]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

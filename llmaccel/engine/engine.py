@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
-from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
+from llmaccel.engine.kv_cache_manager import KVCacheManager
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.errors import InvalidRequestError
@@ -41,8 +41,6 @@ class _Group:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     metrics: RequestMetrics
-    finished_reported: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -110,7 +108,7 @@ class LLMEngine:
         for i in range(params.n):
             sample_params = params
             if params.n > 1 and params.seed is not None:  # different but reproducible samples
-                sample_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i, "n": 1})
+                sample_params = replace(params, seed=params.seed + i, n=1)
             sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
@@ -221,6 +219,3 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.kv_cache.block_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,11 +67,14 @@ def read_spec(hf_dir: Path) -> ModelSpec:
     generation = hf_dir / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
-        extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        merged = tuple(dict.fromkeys(spec.eos_token_ids + extra))
-        if merged != spec.eos_token_ids:
-            spec = ModelSpec(**{**spec.__dict__, "eos_token_ids": merged})
+        spec = _with_eos(spec, eos if isinstance(eos, list) else [eos])
     return spec
+
+
+def _with_eos(spec: ModelSpec, token_ids: list[int | None]) -> ModelSpec:
+    """The spec with these end-of-sequence ids added (None and repeats ignored)."""
+    merged = tuple(dict.fromkeys(spec.eos_token_ids + tuple(t for t in token_ids if t is not None)))
+    return spec if merged == spec.eos_token_ids else replace(spec, eos_token_ids=merged)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -166,7 +169,5 @@ def load_checkpoint(model: str, cache_dir: Path | None = None) -> LoadedCheckpoi
     spec = read_spec(hf_dir)
     tokenizer = load_tokenizer(hf_dir)
     weights = load_weights(hf_dir)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None and eos not in spec.eos_token_ids:
-        spec = ModelSpec(**{**spec.__dict__, "eos_token_ids": spec.eos_token_ids + (eos,)})
+    spec = _with_eos(spec, [getattr(tokenizer, "eos_token_id", None)])
     return LoadedCheckpoint(hf_dir, spec, weights, tokenizer)

@@ -27,6 +27,22 @@ static inline float dot(const float* a, const scalar_t* b, int64_t n) {
   return sum;
 }
 
+// Calls visit(row, t) for the rows of tokens 0..len-1 of one sequence, block by block, prefetching
+// row j of the next block while row j of this one is visited.
+template <typename scalar_t, typename Visit>
+static inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t len, int64_t block_size,
+                                int64_t block_elems, int64_t row_stride, int64_t row_bytes, Visit visit) {
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const scalar_t* block = cache + table[t0 / block_size] * block_elems;
+    const scalar_t* next = t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_elems : nullptr;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      if (next) prefetch_row(next, j, row_bytes);
+      visit(block + j * row_stride, t0 + j);
+    }
+  }
+}
+
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
@@ -49,18 +65,11 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
       const int32_t* table = block_tables + seq * max_blocks;
       const scalar_t* q_seq = q + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* block = k_cache + table[t0 / block_size] * block_elems;
-        const scalar_t* next = t0 + block_size < len ? k_cache + table[t0 / block_size + 1] * block_elems : nullptr;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (next) prefetch_row(next, j, row_bytes);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const scalar_t* k_row = block + j * row_stride + (h / group) * head_dim;
-            scores[h * len + t0 + j] = dot(qf.data() + h * head_dim, k_row, head_dim);
-          }
-        }
-      }
+      for_each_row(k_cache, table, len, block_size, block_elems, row_stride, row_bytes,
+                   [&](const scalar_t* row, int64_t t) {
+                     for (int64_t h = 0; h < num_heads; ++h)
+                       scores[h * len + t] = dot(qf.data() + h * head_dim, row + (h / group) * head_dim, head_dim);
+                   });
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * len;
         float m = -std::numeric_limits<float>::infinity();
@@ -73,20 +82,15 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
         inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* block = v_cache + table[t0 / block_size] * block_elems;
-        const scalar_t* next = t0 + block_size < len ? v_cache + table[t0 / block_size + 1] * block_elems : nullptr;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (next) prefetch_row(next, j, row_bytes);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const scalar_t* v_row = block + j * row_stride + (h / group) * head_dim;
-            const float w = scores[h * len + t0 + j];
-            float* acc_h = acc.data() + h * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
-          }
-        }
-      }
+      for_each_row(v_cache, table, len, block_size, block_elems, row_stride, row_bytes,
+                   [&](const scalar_t* row, int64_t t) {
+                     for (int64_t h = 0; h < num_heads; ++h) {
+                       const scalar_t* v_row = row + (h / group) * head_dim;
+                       const float w = scores[h * len + t];
+                       float* acc_h = acc.data() + h * head_dim;
+                       for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
+                     }
+                   });
       scalar_t* out_seq = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)

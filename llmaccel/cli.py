@@ -1,4 +1,4 @@
-"""Command line: `llmaccel generate | bench offline`."""
+"""Command line: `llmaccel serve | chat | generate | bench`."""
 
 from __future__ import annotations
 
@@ -74,10 +74,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from llmaccel.server import launch
+
+    return launch.serve(args.model, _engine_options(args), launch.server_config(args), args.log_level,
+                        access_log=args.access_log)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from llmaccel import chat
+
+    return chat.run(args, _engine_options(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmaccel", description="LLM inference accelerator")
     parser.add_argument("--log-level", default="INFO", help="llmaccel's log level: DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (chat and text completions)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_engine_arguments(serve)
+    from llmaccel.server import launch
+
+    launch.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    chat = commands.add_parser("chat", help="interactive terminal chat, streamed (a local model or a server's)",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_engine_arguments(chat)
+    from llmaccel import chat as chat_module
+
+    chat_module.add_arguments(chat)
+    chat.set_defaults(func=_chat, model=None)
 
     gen = commands.add_parser("generate", help="generate text for one prompt (offline, no server)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)

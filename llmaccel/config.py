@@ -117,3 +117,32 @@ class EngineConfig:
         if kwargs:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**parts)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `llmaccel serve` listens and protects itself (the engine has its own config)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()  # names clients may ask for; () means the --model value
+    api_key: str | None = None  # Bearer token required on /v1/* when set
+    max_waiting_requests: int | None = 1024  # more waiting sequences than this get HTTP 429
+    request_timeout: float | None = 600.0  # seconds from arrival; None: no limit
+    max_batch_delay_ms: float = 0.0  # an idle engine waits this long for more arrivals before a step
+    step_warn_s: float = 10.0  # the watchdog logs engine steps slower than this
+    graceful_shutdown_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.max_batch_delay_ms < 0:
+            raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms}")
+        if self.step_warn_s <= 0 or self.graceful_shutdown_s < 0:
+            raise ValueError("step_warn_s must be > 0 and graceful_shutdown_s >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")

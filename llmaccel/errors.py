@@ -22,3 +22,20 @@ class CorruptCheckpointError(LLMAccelError):
 
 class InvalidRequestError(LLMAccelError):
     """A request the engine cannot serve as given (empty prompt, prompt too long, bad token id)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit the context window."""
+
+
+# Serving conditions: not the caller's input, so not ValueErrors.
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (HTTP 429)."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request passed its deadline and was aborted (HTTP 504)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a crash or a shutdown); no request can be served (HTTP 503)."""

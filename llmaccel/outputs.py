@@ -20,6 +20,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[Logprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    delta_text: str = ""  # text new since this sample's previous output, safe to stream (see detokenizer)
 
 
 @dataclass

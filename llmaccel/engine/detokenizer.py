@@ -9,6 +9,12 @@ last `len(longest stop) - 1` characters until they can no longer start a stop st
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import re
+from collections.abc import Callable
+
 _PROMPT_CONTEXT = 5  # prompt tokens kept as left context, so the first word gets its leading space right
 
 
@@ -64,3 +70,42 @@ class IncrementalDetokenizer:
         piece = self.output_text[self.emitted:end]
         self.emitted = end
         return piece
+
+
+def token_bytes_function(tokenizer) -> Callable[[int], bytes]:
+    """The exact bytes of one token (a byte-level BPE piece may hold half a UTF-8 character, which
+    `decode([id])` would turn into U+FFFD). Used for OpenAI's `logprobs[].bytes`."""
+    byte_level = False
+    with contextlib.suppress(AttributeError, ValueError, KeyError, TypeError):
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str())["decoder"] or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        byte_level = any(part.get("type") == "ByteLevel" for part in parts)
+    unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+
+    @functools.lru_cache(maxsize=65536)
+    def token_bytes(token_id: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id not in special and isinstance(piece, str):
+            if byte_level and all(c in unicode_to_byte for c in piece):
+                return bytes(unicode_to_byte[c] for c in piece)
+            match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # sentencepiece byte fallback
+            if match:
+                return bytes([int(match.group(1), 16)])
+        return tokenizer.decode([token_id]).encode("utf-8")
+
+    return token_bytes
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, used by every byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table

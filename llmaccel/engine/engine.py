@@ -13,7 +13,7 @@ from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.kv_cache_manager import KVCacheManager
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
-from llmaccel.errors import InvalidRequestError
+from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -21,6 +21,14 @@ from llmaccel.runner import ModelRunner
 from llmaccel.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last step ran: how many sequences and tokens shared the forward pass."""
+
+    num_seqs: int
+    num_tokens: int
 
 
 @dataclass
@@ -84,6 +92,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, _Group] = {}
         self._counter = 0
+        self.num_steps = 0
+        self.last_step = StepStats(0, 0)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -100,7 +110,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._validate_prompt(token_ids)
+        self.check_prompt(token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -120,11 +130,12 @@ class LLMEngine:
             self.scheduler.add_request(sample.request)
         return request_id
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise InvalidRequestError unless the prompt is non-empty, in the vocabulary and fits the window."""
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit); shorten the prompt")
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
@@ -153,8 +164,10 @@ class LLMEngine:
         """Schedule, run the model, update. Returns an output for each request that changed
         (only for those that finished when `emit_unfinished` is False, as the offline API needs)."""
         scheduled = self.scheduler.schedule()
+        self.last_step = StepStats(len(scheduled.scheduled), scheduled.num_tokens)
         if scheduled.is_empty:
             return []
+        self.num_steps += 1
         now = time.time()
         for item in scheduled.scheduled:
             group = self._sample_to_group[item.request.request_id]
@@ -210,7 +223,8 @@ class LLMEngine:
             completions.append(CompletionOutput(index=i, text=sample.detokenizer.output_text,
                                                 token_ids=list(request.output_token_ids), finish_reason=reason,
                                                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                                                stop_reason=request.stop_reason))
+                                                stop_reason=request.stop_reason,
+                                                delta_text=sample.detokenizer.delta(request.is_finished)))
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=group.finished, metrics=group.metrics)
@@ -219,3 +233,20 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use, 0..1."""
+        return self.kv_cache.usage
+
+    @property
+    def num_running_seqs(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

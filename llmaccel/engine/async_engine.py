@@ -1,0 +1,248 @@
+"""AsyncEngine: the engine loop in its own thread, an asyncio stream of outputs per request.
+
+The event loop never waits on the model. `add_request` validates and queues at once (raising
+InvalidRequestError, EngineOverloadedError or EngineDeadError before anything is queued) and returns
+a RequestStream. The engine thread takes queued adds and aborts between steps, so a new request
+joins the running batch at the next step and an abort frees its KV blocks before the next step
+runs. After each step the thread hands every changed output to the event loop in one call.
+
+A stream that is closed before its request finished (the client went away) or that passes its
+deadline aborts the request. With `max_batch_delay_s`, an idle engine waits for more arrivals
+before its first step (until `max_num_seqs` are waiting or the delay passes), as a dynamic batcher
+does. A watchdog thread logs any step that runs longer than `step_warn_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from llmaccel.engine.engine import LLMEngine, StepStats
+from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
+from llmaccel.outputs import RequestOutput
+from llmaccel.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepObserver = Callable[[StepStats, float, int], None]  # (what ran, seconds it took, preemptions so far)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """Outputs of one request, in order; iterate with `async for`. Closing it early aborts."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._deadline = deadline  # in event-loop time
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                try:
+                    async with asyncio.timeout_at(self._deadline):
+                        item = await self._queue.get()
+                except TimeoutError:
+                    raise RequestTimeoutError(f"request {self.request_id} passed its deadline and was aborted; "
+                                              "raise --request-timeout or ask for fewer tokens") from None
+                if isinstance(item, BaseException):
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it finished; safe to call more than once."""
+        if self._engine._streams.pop(self.request_id, None) is not None and not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_batch_delay_s: float = 0.0, step_warn_s: float = 10.0,
+                 max_waiting_requests: int | None = None, on_step: StepObserver | None = None) -> None:
+        if max_batch_delay_s < 0 or step_warn_s <= 0:
+            raise ValueError("max_batch_delay_s must be >= 0 and step_warn_s > 0")
+        self.engine = engine
+        self.max_batch_delay_s = max_batch_delay_s
+        self.step_warn_s = step_warn_s
+        self.max_waiting_requests = max_waiting_requests
+        self.on_step = on_step
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: deque[_Add | _Abort] = deque()
+        self._pending_adds = 0  # sequences queued for the engine thread, not yet in its scheduler
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._step_started: float | None = None
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="llmaccel-watchdog", daemon=True)
+
+    # ---- event-loop side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+        self._watchdog.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stopping
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: queued for the engine thread or in the scheduler's queue."""
+        return self._pending_adds + self.engine.num_waiting_seqs
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    timeout: float | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and return its stream. Raises before queueing anything if the prompt is
+        invalid (InvalidRequestError), the waiting queue is full (EngineOverloadedError) or the
+        engine is not running (EngineDeadError)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running" if self._error is None
+                                  else f"the engine stopped after an error: {self._error!r}")
+        self.engine.check_prompt(prompt_token_ids)
+        if request_id is None:
+            request_id = f"areq-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, None if timeout is None else loop.time() + timeout)
+        with self._cond:
+            if self.max_waiting_requests is not None and self.num_waiting + params.n > self.max_waiting_requests:
+                raise EngineOverloadedError(f"the waiting queue is full ({self.num_waiting} sequences waiting, "
+                                            f"limit {self.max_waiting_requests}); retry shortly")
+            self._pending_adds += params.n
+            self._streams[request_id] = stream
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params,
+                                       arrival_time if arrival_time is not None else time.time()))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request inside the engine at its next step boundary; its KV blocks are freed then."""
+        self._streams.pop(request_id, None)
+        with self._cond:
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream._put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream._put(error)
+
+    # ---- engine-thread side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or engine.has_unfinished_requests() or self._stopping):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    idle = not engine.has_unfinished_requests()
+                self._apply_commands()
+                if idle and self.max_batch_delay_s > 0:
+                    self._gather_arrivals(time.monotonic() + self.max_batch_delay_s)
+                if not engine.has_unfinished_requests():
+                    continue
+                self._step_started = time.monotonic()
+                outputs = engine.step()
+                took = time.monotonic() - self._step_started
+                self._step_started = None
+                if self.on_step is not None and engine.last_step.num_seqs:
+                    self.on_step(engine.last_step, took, engine.num_preemptions)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # a bug, not a bad request: every request in flight must hear of it
+            self._error = exc
+            logger.exception("the engine loop stopped")
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc!r}"))
+
+    def _apply_commands(self) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                        command.arrival_time)
+            except Exception as exc:  # validated already; deliver anything unexpected to its stream
+                self._loop.call_soon_threadsafe(self._deliver_error, command.request_id, exc)
+            finally:
+                with self._cond:
+                    self._pending_adds -= command.params.n
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream._put(error)
+
+    def _gather_arrivals(self, deadline: float) -> None:
+        """Dynamic batching: wait for more arrivals until max_num_seqs wait or the deadline passes."""
+        target = self.engine.config.scheduler.max_num_seqs
+        while self.engine.num_waiting_seqs < target:
+            with self._cond:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping:
+                    return
+                if not self._commands:
+                    self._cond.wait(remaining)
+            self._apply_commands()
+
+    def _watch(self) -> None:
+        interval = min(1.0, max(0.01, self.step_warn_s / 4))
+        warned_for = None
+        while self._thread.is_alive():
+            time.sleep(interval)
+            started = self._step_started
+            if started is not None and started != warned_for and time.monotonic() - started > self.step_warn_s:
+                warned_for = started
+                last = self.engine.last_step
+                logger.warning("engine step running for %.2f s (over --step-warn-s %.2f): %d sequences, %d tokens",
+                               time.monotonic() - started, self.step_warn_s, last.num_seqs, last.num_tokens)

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP app (FastAPI).
+
+The app starts listening at once and loads the model in a thread: until the engine runs, /health
+and the API answer 503. Every error a client can cause is a 4xx with OpenAI's error JSON
+(`{"error": {"message", "type", "param", "code"}}`); a 500 means a bug in llmaccel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import llmaccel
+from llmaccel.config import ServerConfig
+from llmaccel.engine.async_engine import AsyncEngine
+from llmaccel.engine.engine import LLMEngine
+from llmaccel.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestTimeoutError
+from llmaccel.server import protocol as p
+from llmaccel.server.errors import APIError, validation_error_message
+from llmaccel.server.metrics import ServerMetrics
+from llmaccel.server.serving import OpenAIServing, error_info
+
+logger = logging.getLogger(__name__)
+
+_COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics"}
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    metrics: ServerMetrics
+    model_names: tuple[str, ...]
+    engine: AsyncEngine | None = None
+    serving: OpenAIServing | None = None
+    draining: bool = False
+    load_error: BaseException | None = None
+    created: int = 0
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], model_name: str,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails."""
+    state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()))
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(engine_factory)
+        except BaseException as exc:
+            state.load_error = exc
+            logger.error("could not load the model: %s", exc)
+            if on_fatal is not None:
+                on_fatal()
+            return
+        async_engine = AsyncEngine(engine, max_batch_delay_s=config.max_batch_delay_ms / 1000,
+                                   step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
+                                   on_step=state.metrics.observe_step)
+        async_engine.start()
+        state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
+                                  lambda: engine.kv_cache_usage)
+        state.serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), state.metrics,
+                                      config.request_timeout)
+        state.engine = async_engine
+        logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
+                    ", ".join(state.model_names), engine.dtype, engine.device, engine.num_blocks *
+                    engine.config.cache.block_size, engine.num_blocks, engine.max_model_len, config.host,
+                    config.port)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(load())
+        yield
+        state.draining = True
+        if not loader.done():
+            loader.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="llmaccel", version=llmaccel.__version__, lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app, state)
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+
+    def serving() -> OpenAIServing:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if state.serving is None or not state.engine.is_alive:
+            raise APIError(503, "the model is still loading" if state.serving is None else "the engine is not running",
+                           "service_unavailable", code="not_ready", headers={"Retry-After": "5"})
+        return state.serving
+
+    def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+            state.metrics.rejected.labels(reason="unauthorized").inc()
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", code="invalid_api_key")
+
+    def model_for(requested: str | None) -> str:
+        if requested is None:
+            return state.model_names[0]
+        if requested not in state.model_names:
+            raise APIError(400, f"the model {requested!r} does not exist; this server serves "
+                           f"{', '.join(repr(m) for m in state.model_names)}", param="model", code="model_not_found")
+        return requested
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @api.get("/models")
+    async def list_models() -> p.ModelList:
+        limit = state.engine.engine.max_model_len if state.engine is not None else 0
+        return p.ModelList(data=[p.ModelCard(id=name, created=state.created, max_model_len=limit)
+                                 for name in state.model_names])
+
+    @api.post("/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await _answer(serving(), body, model_for(body.model), request, state)
+
+    @api.post("/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await _answer(serving(), body, model_for(body.model), request, state)
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is not None and state.engine.is_alive and not state.draining:
+            return JSONResponse({"status": "ok"})
+        status = ("draining" if state.draining else "failed" if state.load_error else
+                  "starting" if state.engine is None else "dead")
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        import torch
+
+        return {"version": llmaccel.__version__, "torch": torch.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
+                  request: Request, state: ServerState) -> Response:
+    try:
+        job = serving.submit(body, model)
+    except EngineOverloadedError as exc:
+        state.metrics.rejected.labels(reason="queue_full").inc()
+        raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as exc:
+        state.metrics.rejected.labels(reason="unavailable").inc()
+        raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable") from None
+    except PromptTooLongError as exc:
+        state.metrics.rejected.labels(reason="invalid_request").inc()
+        raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
+                       code="context_length_exceeded") from None
+    except ValueError as exc:
+        state.metrics.rejected.labels(reason="invalid_request").inc()
+        raise APIError(400, str(exc)) from None
+    if body.stream:
+        return _SSEResponse(serving.stream(job), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    task = asyncio.create_task(serving.complete(job))
+    watcher = asyncio.create_task(_disconnected(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():  # the client went away: cancelling the task aborts its engine requests
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    try:
+        response = task.result()
+    except (RequestTimeoutError, EngineDeadError) as exc:
+        status = 504 if isinstance(exc, RequestTimeoutError) else 503
+        return JSONResponse(p.ErrorResponse(error=error_info(exc)).model_dump(), status_code=status)
+    return JSONResponse(response.model_dump())
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its generator however the response ends, so a vanished client's requests are aborted now."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+class _CountRequests:
+    """ASGI middleware counting answered requests by endpoint and status (streaming-safe)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
+            self.metrics.requests.labels(endpoint=path, status=str(status)).inc()
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        state.metrics.rejected.labels(reason="invalid_request").inc()
+        message, param = validation_error_message(exc.errors())
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {exc!r}", "internal_error").response()

@@ -1,0 +1,46 @@
+"""OpenAI-style HTTP errors: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from llmaccel.server.protocol import ErrorInfo, ErrorResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
+                            headers=self.headers)
+
+
+def validation_error_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """A message that names the offending field, from pydantic's error list; and that field."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop union-branch names such as 'str' / 'list[int]' that pydantic puts into locations.
+    loc = [part for part in loc if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
+    field = ".".join(loc)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = "this field is required"
+    elif first.get("type") == "model_attributes_type" and not field:
+        return "the request body must be a JSON object", None
+    if "input" in first and first.get("type") != "missing" and not isinstance(first["input"], dict | list):
+        message += f" (got {first['input']!r})"
+    extra = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    param = loc[0] if loc else None
+    return (f"{field}: {message}{extra}" if field else f"{message}{extra}"), param

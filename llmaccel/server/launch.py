@@ -1,0 +1,91 @@
+"""`llmaccel serve`: flags -> configs -> uvicorn, with a draining SIGTERM.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, answers 503 on connections that
+are still open, lets in-flight requests finish for up to --graceful-shutdown-s, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from llmaccel.config import EngineConfig, ServerConfig
+from llmaccel.engine.engine import LLMEngine
+from llmaccel.model.loader import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLMACCEL_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="name clients use in the 'model' field (repeatable; default: the --model value)")
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (or set ${API_KEY_ENV}; "
+                                          "default: no key)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="sequences allowed to wait for the engine; more get HTTP 429 with Retry-After")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds from arrival after which a request is aborted (HTTP 504); 0 disables")
+    parser.add_argument("--max-batch-delay-ms", type=float, default=0.0,
+                        help="an idle engine waits up to this long for more requests before its first step")
+    parser.add_argument("--step-warn-s", type=float, default=10.0, help="log engine steps slower than this")
+    parser.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+                        help="on SIGTERM, how long in-flight requests may take to finish")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name),
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        max_waiting_requests=args.max_waiting_requests,
+                        request_timeout=args.request_timeout or None, max_batch_delay_ms=args.max_batch_delay_ms,
+                        step_warn_s=args.step_warn_s, graceful_shutdown_s=args.graceful_shutdown_s)
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info("shutting down: no new requests; in-flight requests get up to %.0f s to finish",
+                        self.config.timeout_graceful_shutdown or 0)
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str = "info",
+          access_log: bool = False) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
+    from llmaccel.server.app import create_app
+
+    engine_config = EngineConfig.create(model, **engine_options)  # bad flags fail here, before listening
+    resolve_model_path(model)
+    server: _DrainingServer | None = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, lambda: LLMEngine(engine_config), model_name=model, on_fatal=stop)
+    state = app.state.server
+
+    def drain() -> None:
+        state.draining = True
+
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
+                               access_log=access_log, timeout_graceful_shutdown=config.graceful_shutdown_s,
+                               timeout_keep_alive=5)
+    server = _DrainingServer(uv_config, drain)
+    server.run()
+    if state.load_error is not None:
+        raise ValueError(f"could not load {model!r}: {state.load_error}") if isinstance(
+            state.load_error, ValueError) else state.load_error
+    return 0

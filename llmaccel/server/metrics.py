@@ -1,0 +1,138 @@
+"""Prometheus metrics of the server (prometheus-client; seconds, tokens and ratios as units).
+
+Each app has its own registry, so several servers can live in one process (the tests do). Latency
+histograms are observed per request when it ends, from the engine's timestamps; inter-token latency
+is observed as outputs reach the server. Engine gauges are read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from llmaccel.engine.engine import StepStats
+from llmaccel.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+
+PREFIX = "llmaccel_"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, ...
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Per request: (end - first token) / (output tokens - 1).",
+            _TOKEN_LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between successive outputs of a request, per token.",
+                                             _TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
+        self.step_batch_size = histogram("step_batch_size", "Sequences that shared one engine step.", _BATCH_BUCKETS)
+        self.step_tokens = histogram("step_num_tokens", "Tokens computed in one engine step.",
+                                     (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.",
+                                       _TOKEN_LATENCY_BUCKETS)
+
+        self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch.", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
+        self.kv_cache_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Share of KV-cache blocks in use (0..1).",
+                                    registry=r)
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(PREFIX + "finished_sequences", "Sequences (choices) that ended, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.preemptions = Counter(PREFIX + "preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.aborted = Counter(PREFIX + "aborted_requests", "Requests aborted because the client went away.",
+                               registry=r)
+        self.timed_out = Counter(PREFIX + "timed_out_requests", "Requests aborted at --request-timeout.",
+                                 registry=r)
+        self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused before generation, by reason.",
+                                ["reason"], registry=r)
+        self._preemptions_seen = 0
+
+    def bind_engine(self, running: Callable[[], float], waiting: Callable[[], float],
+                    kv_usage: Callable[[], float]) -> None:
+        """Read the engine gauges at scrape time."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.kv_cache_usage.set_function(kv_usage)
+
+    def observe_step(self, step: StepStats, seconds: float, preemptions: int) -> None:
+        """Called from the engine thread after every step (prometheus-client is thread-safe)."""
+        self.step_batch_size.observe(step.num_seqs)
+        self.step_tokens.observe(step.num_tokens)
+        self.step_duration.observe(seconds)
+        if preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Follows one engine request's outputs and records its metrics once, when it ends."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.last: RequestOutput | None = None
+        self._last_seen: float | None = None
+        self._tokens_seen = 0
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        if self._last_seen is not None and tokens > self._tokens_seen:
+            gap = (now - self._last_seen) / (tokens - self._tokens_seen)
+            for _ in range(tokens - self._tokens_seen):
+                self.metrics.inter_token_latency.observe(gap)
+        if tokens > self._tokens_seen:
+            self._last_seen, self._tokens_seen = now, tokens
+        self.last = output
+
+    def finish(self, outcome: str = "ok") -> None:
+        """outcome: ok, aborted (client went away) or timeout."""
+        m = self.metrics
+        if outcome == "aborted":
+            m.aborted.inc()
+        elif outcome == "timeout":
+            m.timed_out.inc()
+        out = self.last
+        if out is None:
+            return
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        t = out.metrics
+        if t.first_scheduled_time is not None:
+            m.queue_time.observe(t.first_scheduled_time - t.arrival_time)
+        if t.first_token_time is not None:
+            m.time_to_first_token.observe(t.first_token_time - t.arrival_time)
+        if not out.finished or t.finished_time is None:
+            return
+        for completion in out.outputs:
+            m.finished.labels(finish_reason=completion.finish_reason or "abort").inc()
+        m.e2e_latency.observe(t.finished_time - t.arrival_time)
+        num_tokens = max(len(c.token_ids) for c in out.outputs)
+        if num_tokens > 1 and t.first_token_time is not None:
+            m.time_per_output_token.observe((t.finished_time - t.first_token_time) / (num_tokens - 1))

@@ -1,0 +1,285 @@
+"""Chat and text completions: an OpenAI request -> engine requests -> one response or SSE chunks.
+
+A completion request may carry several prompts; each becomes one engine request with `n` samples,
+and choice `i * n + j` is sample j of prompt i, as in OpenAI's API. Streams send one chunk per
+engine step and choice that has news, end with a usage chunk when asked, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from llmaccel.engine.async_engine import AsyncEngine, RequestStream
+from llmaccel.engine.detokenizer import token_bytes_function
+from llmaccel.errors import EngineDeadError, PromptTooLongError, RequestTimeoutError
+from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
+from llmaccel.sampling_params import SamplingParams
+from llmaccel.server import protocol as p
+from llmaccel.server.metrics import RequestTracker, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
+
+
+@dataclass
+class _Job:
+    """One accepted API request: its engine streams and what the response needs."""
+
+    request: AnyRequest
+    response_id: str
+    model: str
+    streams: list[RequestStream]
+    trackers: list[RequestTracker]
+    prompt_lengths: list[int]
+    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.request, p.ChatCompletionRequest)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
+                 request_timeout: float | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.token_bytes = token_bytes_function(tokenizer)
+
+    # ---- admission --------------------------------------------------------------------------------
+    def prompts(self, request: AnyRequest) -> list[list[int]]:
+        if isinstance(request, p.ChatCompletionRequest):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this model has no chat template; use /v1/completions")
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in request.messages]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
+        return [self.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else x
+                for x in request.prompt]
+
+    def sampling_params(self, request: AnyRequest, prompt_len: int) -> SamplingParams:
+        max_tokens = request.max_new_tokens
+        limit = self.engine.engine.max_model_len
+        if max_tokens is not None and prompt_len < limit < prompt_len + max_tokens:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} were "
+                f"requested ({prompt_len} in the prompt, {max_tokens} for the completion); shorten the prompt "
+                "or lower max_tokens")
+        return SamplingParams(
+            n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=tuple(request.stop or ()),
+            stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
+            logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens)
+
+    def submit(self, request: AnyRequest, model: str) -> _Job:
+        """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
+        if request.unknown_fields:
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(request.unknown_fields))
+        prompts = self.prompts(request)
+        params = [self.sampling_params(request, len(ids)) for ids in prompts]
+        response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+                streams.append(self.engine.add_request(ids, sp, f"{response_id}-{i}", self.request_timeout))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return _Job(request, response_id, model, streams, [self.metrics.track() for _ in streams],
+                    [len(ids) for ids in prompts])
+
+    # ---- running ----------------------------------------------------------------------------------
+    async def complete(self, job: _Job) -> BaseModel:
+        """Run to the end and build one response."""
+        last: dict[int, RequestOutput] = {}
+        with _outcome(job.trackers):
+            async for i, output in _merged(job):
+                last[i] = output
+        n = job.request.n
+        choices = []
+        for i in range(len(job.streams)):
+            for c in last[i].outputs:
+                index = i * n + c.index
+                if job.is_chat:
+                    choices.append(p.ChatChoice(index=index, message=p.AssistantMessage(content=c.text),
+                                                logprobs=self._chat_logprobs(c.logprobs or [], job),
+                                                finish_reason=c.finish_reason))
+                else:
+                    choices.append(p.CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
+                                                      logprobs=self._completion_logprobs(c.logprobs or [], job)))
+        usage = _usage(job, last.values())
+        kind = p.ChatCompletionResponse if job.is_chat else p.CompletionResponse
+        return kind(id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage)
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        """SSE lines: chunks, an optional usage chunk, then [DONE]. Errors after the first byte are
+        sent as an error event, since the status line has gone already."""
+        n = job.request.n
+        include_usage = bool(job.request.stream_options and job.request.stream_options.include_usage)
+        usage_field = {"usage": None} if include_usage else {}
+        sent_tokens: dict[int, int] = {}
+        last: dict[int, RequestOutput] = {}
+        if job.is_chat:  # the role comes first, as OpenAI sends it
+            yield _sse(self._chunk(job, [p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant",
+                                                                                         content=""))
+                                         for k in range(n * len(job.streams))]), **usage_field)
+        try:
+            with _outcome(job.trackers):
+                async for i, output in _merged(job):
+                    last[i] = output
+                    choices = []
+                    for c in output.outputs:
+                        index = i * n + c.index
+                        new_logprobs = (c.logprobs or [])[sent_tokens.get(index, 0):]
+                        sent_tokens[index] = len(c.token_ids)
+                        if c.delta_text or c.finish_reason or new_logprobs:
+                            choices.append(self._chunk_choice(job, index, c, new_logprobs))
+                    if choices:
+                        yield _sse(self._chunk(job, choices), **usage_field)
+        except (RequestTimeoutError, EngineDeadError) as exc:
+            yield _sse(p.ErrorResponse(error=error_info(exc)))
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield _sse(self._chunk(job, []), usage=_usage(job, last.values()).model_dump())
+        yield "data: [DONE]\n\n"
+
+    # ---- shapes -----------------------------------------------------------------------------------
+    def _chunk(self, job: _Job, choices: list) -> BaseModel:
+        kind = p.ChatCompletionChunk if job.is_chat else p.CompletionResponse
+        return kind(id=job.response_id, created=job.created, model=job.model, choices=choices)
+
+    def _chunk_choice(self, job: _Job, index: int, c: CompletionOutput, new_logprobs: list[Logprob]) -> BaseModel:
+        if job.is_chat:
+            delta = p.DeltaMessage(content=c.delta_text if c.delta_text or not c.finish_reason else None)
+            return p.ChatChunkChoice(index=index, delta=delta, finish_reason=c.finish_reason,
+                                     logprobs=self._chat_logprobs(new_logprobs, job) if new_logprobs else None)
+        return p.CompletionChoice(index=index, text=c.delta_text, finish_reason=c.finish_reason,
+                                  logprobs=self._completion_logprobs(new_logprobs, job) if new_logprobs else None)
+
+    def _chat_logprobs(self, logprobs: list[Logprob], job: _Job) -> p.ChatLogprobs | None:
+        if job.request.num_logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            raw = self.token_bytes(token_id)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+        return p.ChatLogprobs(content=[
+            p.TokenLogprob(**entry(lp.token_id, lp.logprob),
+                           top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
+            for lp in logprobs])
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _completion_logprobs(self, logprobs: list[Logprob], job: _Job) -> p.CompletionLogprobs | None:
+        if job.request.num_logprobs is None:
+            return None
+        out = p.CompletionLogprobs()
+        offset = 0
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            top: dict[str, float] = {}
+            for token_id, value in lp.top.items():  # most likely first; pieces that read alike keep the first
+                top.setdefault(self.token_text(token_id), value)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def error_info(exc: BaseException) -> p.ErrorInfo:
+    if isinstance(exc, RequestTimeoutError):
+        return p.ErrorInfo(message=str(exc), type="timeout_error", code="request_timeout")
+    return p.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
+
+
+def _usage(job: _Job, outputs) -> p.Usage:
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    prompt = sum(job.prompt_lengths)
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _sse(model: BaseModel, **overrides: object) -> str:
+    data = model.model_dump()
+    for choice in data.get("choices", []):
+        if isinstance(choice.get("delta"), dict):  # a delta carries only the fields that changed
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    data.update(overrides)
+    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+@contextlib.contextmanager
+def _outcome(trackers: list[RequestTracker]) -> Iterator[None]:
+    """Record each tracker's metrics once, with how the request ended."""
+    outcome = "aborted"  # cancelled or closed early: the client went away
+    try:
+        yield
+        outcome = "ok"
+    except RequestTimeoutError:
+        outcome = "timeout"
+        raise
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        for tracker in trackers:
+            tracker.finish(outcome)
+
+
+async def _merged(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all of a job's streams as they come, tagged with the prompt index."""
+    if len(job.streams) == 1:
+        try:
+            async for output in job.streams[0]:
+                job.trackers[0].on_output(output)
+                yield 0, output
+        finally:
+            job.streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                job.trackers[i].on_output(item)
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in job.streams:
+            stream.close()

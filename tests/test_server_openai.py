@@ -1,0 +1,162 @@
+"""e2e: the official openai client against a live uvicorn server on a tiny random model.
+
+Greedy outputs are checked token for token against HF transformers' own generate.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.live_server import MODEL_NAME, live_server
+from tests.tiny_models import hf_greedy
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with live_server(llama_dir) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_prompt_ids(server, messages) -> list[int]:
+    tok = server.engine.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+def test_chat_greedy_matches_hf_and_counts_usage(server, client, llama_dir):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=12, **GREEDY)
+    prompt_ids = chat_prompt_ids(server, QUESTION)
+    expected = server.engine.tokenizer.decode(hf_greedy(llama_dir, prompt_ids, 12), skip_special_tokens=True)
+    choice = reply.choices[0]
+    assert choice.message.content == expected
+    assert choice.message.role == "assistant" and choice.finish_reason == "length" and choice.index == 0
+    assert reply.object == "chat.completion" and reply.model == MODEL_NAME and reply.id.startswith("chatcmpl-")
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.completion_tokens == 12 and reply.usage.total_tokens == len(prompt_ids) + 12
+
+
+def test_streamed_greedy_text_equals_non_streamed(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=20, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_string_ids_and_batch(server, client, llama_dir):
+    tok = server.engine.tokenizer
+    ids = tok.encode("The quick brown fox")
+    expected = tok.decode(hf_greedy(llama_dir, ids, 8))
+    by_text = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=8, **GREEDY)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_text.choices[0].text == by_ids.choices[0].text == expected
+    assert by_text.object == "text_completion" and by_text.usage.prompt_tokens == len(ids)
+    batch = client.completions.create(model=MODEL_NAME, prompt=["The quick brown fox", "你好"], max_tokens=8, n=2,
+                                      **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == expected  # greedy: both samples agree
+    assert batch.usage.prompt_tokens == len(ids) + len(tok.encode("你好")) and batch.usage.completion_tokens == 32
+
+
+def test_completions_stream_matches_and_default_max_tokens_is_16(client):
+    full = client.completions.create(model=MODEL_NAME, prompt="Continuous batching", **GREEDY)
+    parts = list(client.completions.create(model=MODEL_NAME, prompt="Continuous batching", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in parts) == full.choices[0].text
+    assert full.usage.completion_tokens == 16 and parts[-1].choices[0].finish_reason == "length"
+
+
+def test_n2_sampling_gives_two_choices(client):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=10, n=2, temperature=1.0,
+                                           seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    assert reply.usage.completion_tokens == 20
+    streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=10, n=2,
+                                                   temperature=1.0, seed=3, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        text = "".join(choice.delta.content or "" for c in streamed for choice in c.choices
+                       if choice.index == index)
+        assert text == reply.choices[index].message.content
+
+
+def test_stop_strings_cut_the_text_in_both_modes(client):
+    free = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=24, **GREEDY)
+    text = free.choices[0].text
+    stop = text[8:11]
+    assert len(stop) == 3 and stop.strip()
+    cut = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=24, stop=[stop],
+                                    **GREEDY)
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=24,
+                                              stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_chat_and_completions(client):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=6, logprobs=True,
+                                           top_logprobs=3, **GREEDY)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))  # greedy takes the top
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    raw = b"".join(bytes(entry.bytes) for entry in content)  # exact bytes, even for half a UTF-8 character
+    assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == reply.choices[0].message.content.rstrip("\ufffd")
+    comp = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, logprobs=2,
+                                     **GREEDY)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens).rstrip("\ufffd") == comp.choices[0].text.rstrip("\ufffd")
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2  # keyed by text: two byte pieces may both read as U+FFFD
+        assert top[token] == pytest.approx(logprob) == pytest.approx(max(top.values()))
+    no_lp = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=3, **GREEDY)
+    assert no_lp.choices[0].logprobs is None
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=16, temperature=1.0,
+                                              seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_extra_sampling_fields_are_honoured(client):
+    reply = client.completions.create(model=MODEL_NAME, prompt="The quick", max_tokens=8, temperature=0.9, seed=1,
+                                      extra_body={"top_k": 1, "min_p": 0.1, "repetition_penalty": 1.2,
+                                                  "ignore_eos": True, "min_tokens": 8})
+    greedy_like = client.completions.create(model=MODEL_NAME, prompt="The quick", max_tokens=8, temperature=0,
+                                            extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    assert reply.choices[0].text == greedy_like.choices[0].text  # top_k=1 is greedy whatever the temperature
+
+
+def test_models_version_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    import httpx
+
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(server.url + "/version").json()
+    server.wait_idle()

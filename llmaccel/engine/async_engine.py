@@ -181,7 +181,7 @@ class AsyncEngine:
                     while not (self._commands or engine.has_unfinished_requests() or self._stopping):
                         self._cond.wait()
                     if self._stopping:
-                        return
+                        break
                     idle = not engine.has_unfinished_requests()
                 self._apply_commands()
                 if idle and self.max_batch_delay_s > 0:
@@ -200,6 +200,11 @@ class AsyncEngine:
             self._error = exc
             logger.exception("the engine loop stopped")
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc!r}"))
+            return
+        self._apply_commands()  # shutting down: take the last aborts, then free every block
+        aborted = engine.abort_all()
+        if aborted:
+            logger.warning("shutdown aborted %d unfinished request(s)", aborted)
 
     def _apply_commands(self) -> None:
         with self._cond:

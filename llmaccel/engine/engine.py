@@ -152,6 +152,13 @@ class LLMEngine:
             self._forget(sample)
         return True
 
+    def abort_all(self) -> int:
+        """Abort every request (at shutdown); returns how many there were."""
+        ids = list(self._groups)
+        for request_id in ids:
+            self.abort_request(request_id)
+        return len(ids)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 

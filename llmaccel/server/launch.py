@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 import uvicorn
 
@@ -54,11 +55,15 @@ class _DrainingServer(uvicorn.Server):
         self._on_exit = on_exit
 
     def handle_exit(self, sig, frame) -> None:
+        """As uvicorn's, but without re-raising the signal at the end: a drained server exits 0."""
         if not self.should_exit:
             logger.info("shutting down: no new requests; in-flight requests get up to %.0f s to finish",
                         self.config.timeout_graceful_shutdown or 0)
         self._on_exit()
-        super().handle_exit(sig, frame)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C stops at once
+        else:
+            self.should_exit = True
 
 
 def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str = "info",

@@ -53,10 +53,14 @@ class _Request(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _Request:
-        if self.logit_bias:
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> None:
+        if value:
             raise ValueError("logit_bias is not supported by this server")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -95,14 +99,20 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, value: object) -> None:
+        if value not in (None, [], "none", "auto"):
+            raise ValueError("tools (function calling) are not supported by this server")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict | None) -> None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only {'type': 'text'} is supported by this server")
+
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         for message in self.messages:
@@ -142,14 +152,17 @@ class CompletionRequest(_Request):
                 return [list(value)]
             if all(is_ids(p) for p in value):
                 return [list(p) for p in value]
-        raise ValueError(f"prompt must be {_PROMPT_SHAPES} (non-empty)")
+        raise ValueError(f"must be {_PROMPT_SHAPES} (non-empty)")
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _not_supported(cls, value: object, info) -> object:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported by this server")
         return self

@@ -27,8 +27,8 @@ def engine(llama_dir):
 def run(coro_fn, engine: LLMEngine, **options):
     """Run `coro_fn(async_engine)` on a fresh event loop with a started AsyncEngine."""
     async def main():
-        async_engine = AsyncEngine(engine, **options)
-        async_engine.start()
+        async_engine = AsyncEngine(lambda: engine, **options)
+        await async_engine.start()
         try:
             return await coro_fn(async_engine)
         finally:

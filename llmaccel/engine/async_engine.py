@@ -1,5 +1,8 @@
 """AsyncEngine: the engine loop in its own thread, an asyncio stream of outputs per request.
 
+The engine thread does all of the torch work, from building the model to every step: on this CPU
+a matmul issued from a second thread after another thread has used OpenMP runs ~10-15% slower
+(measured; two libgomp thread teams share two cores), so the engine is built where it runs.
 The event loop never waits on the model. `add_request` validates and queues at once (raising
 InvalidRequestError, EngineOverloadedError or EngineDeadError before anything is queued) and returns
 a RequestStream. The engine thread takes queued adds and aborts between steps, so a new request
@@ -85,11 +88,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_batch_delay_s: float = 0.0, step_warn_s: float = 10.0,
-                 max_waiting_requests: int | None = None, on_step: StepObserver | None = None) -> None:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_batch_delay_s: float = 0.0,
+                 step_warn_s: float = 10.0, max_waiting_requests: int | None = None,
+                 on_step: StepObserver | None = None) -> None:
         if max_batch_delay_s < 0 or step_warn_s <= 0:
             raise ValueError("max_batch_delay_s must be >= 0 and step_warn_s > 0")
-        self.engine = engine
+        self._engine_factory = engine_factory
+        self.engine: LLMEngine | None = None  # built by start(), in the engine thread
         self.max_batch_delay_s = max_batch_delay_s
         self.step_warn_s = step_warn_s
         self.max_waiting_requests = max_waiting_requests
@@ -107,10 +112,13 @@ class AsyncEngine:
         self._watchdog = threading.Thread(target=self._watch, name="llmaccel-watchdog", daemon=True)
 
     # ---- event-loop side ----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the streams."""
+    async def start(self) -> None:
+        """Build the engine in the engine thread and start its loop. Returns when the engine is ready;
+        raises whatever building it raised. Call from the event loop that will consume the streams."""
         self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
         self._thread.start()
+        await self._ready
         self._watchdog.start()
 
     @property
@@ -162,6 +170,14 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
+    def _set_ready(self, error: BaseException | None) -> None:
+        if self._ready.done():  # start() was cancelled meanwhile
+            return
+        if error is None:
+            self._ready.set_result(None)
+        else:
+            self._ready.set_exception(error)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -174,7 +190,13 @@ class AsyncEngine:
 
     # ---- engine-thread side -------------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
+        try:
+            self.engine = engine = self._engine_factory()
+        except BaseException as exc:
+            self._error = exc
+            self._loop.call_soon_threadsafe(self._set_ready, exc)
+            return
+        self._loop.call_soon_threadsafe(self._set_ready, None)
         try:
             while True:
                 with self._cond:

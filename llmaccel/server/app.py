@@ -55,27 +55,27 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()))
 
     async def load() -> None:
+        async_engine = AsyncEngine(engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000,
+                                   step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
+                                   on_step=state.metrics.observe_step)
         try:
-            engine = await asyncio.to_thread(engine_factory)
-        except BaseException as exc:
+            await async_engine.start()
+        except Exception as exc:
             state.load_error = exc
             logger.error("could not load the model: %s", exc)
             if on_fatal is not None:
                 on_fatal()
             return
-        async_engine = AsyncEngine(engine, max_batch_delay_s=config.max_batch_delay_ms / 1000,
-                                   step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
-                                   on_step=state.metrics.observe_step)
-        async_engine.start()
+        engine = async_engine.engine
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
                                   lambda: engine.kv_cache_usage)
         state.serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), state.metrics,
                                       config.request_timeout)
         state.engine = async_engine
+        capacity = engine.num_blocks * engine.config.cache.block_size
         logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
-                    ", ".join(state.model_names), engine.dtype, engine.device, engine.num_blocks *
-                    engine.config.cache.block_size, engine.num_blocks, engine.max_model_len, config.host,
-                    config.port)
+                    ", ".join(state.model_names), str(engine.dtype).removeprefix("torch."), engine.device, capacity,
+                    engine.num_blocks, engine.max_model_len, config.host, config.port)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -171,3 +171,27 @@ def test_failed_load_is_reported_by_health(llama_dir):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert error_of(httpx.post(server.url + CHAT, json={"messages": MESSAGES}), 503)["code"] == "not_ready"
+
+
+def test_a_dead_engine_turns_health_red_and_requests_get_503(llama_dir):
+    def fragile() -> LLMEngine:
+        engine = LLMEngine(EngineConfig.create(str(llama_dir), num_kv_blocks=64))
+        real_step = engine.step
+
+        def step(*args, **kwargs):
+            if engine.num_steps >= 3:
+                raise RuntimeError("kernel exploded")
+            return real_step(*args, **kwargs)
+
+        engine.step = step
+        return engine
+
+    with live_server(llama_dir, engine_factory=fragile) as server:
+        with httpx.stream("POST", server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 50, "stream": True,
+                                                                   "ignore_eos": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and "kernel exploded" in lines[-2]
+        assert '"code":"engine_unavailable"' in lines[-2]
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "dead"}
+        assert error_of(httpx.post(server.url + COMPLETIONS, json={"prompt": "hi"}), 503)["code"] == "not_ready"

@@ -116,3 +116,27 @@ def test_burst_over_max_waiting_requests_gets_429_and_accepted_ones_finish(llama
         assert metrics["llmaccel_rejected_requests_total"][(("reason", "queue_full"),)] == len(rejected)
         assert metrics["llmaccel_http_requests_total"][(("endpoint", "/v1/completions"), ("status", "429"))] == \
             len(rejected)
+
+
+def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(llama_dir):
+    """16 streams need ~64 blocks; the pool has 24, so the engine preempts and recomputes, and every
+    greedy answer is still the one a lone request gets."""
+    async def burst(url: str, prompts: list[str]) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    prompts = [f"Request number {i}: tell me about paged attention and continuous batching." for i in range(16)]
+    with live_server(llama_dir, engine_options={"num_kv_blocks": 24}) as server:
+        alone = [httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 40, "temperature": 0,
+                                                                   "ignore_eos": True}).json()["choices"][0]["text"]
+                 for p in prompts[:3]]
+        together = asyncio.run(burst(server.url, prompts))
+        assert together[:3] == alone
+        server.wait_idle()
+        assert scrape(server.url)["llmaccel_preemptions_total"][()] > 0

@@ -94,9 +94,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
 
     def serving() -> OpenAIServing:
         if state.draining:
+            state.metrics.rejected.labels(reason="unavailable").inc()
             raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down",
                            headers={"Retry-After": "5"})
         if state.serving is None or not state.engine.is_alive:
+            state.metrics.rejected.labels(reason="unavailable").inc()
             raise APIError(503, "the model is still loading" if state.serving is None else "the engine is not running",
                            "service_unavailable", code="not_ready", headers={"Retry-After": "5"})
         return state.serving

@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     offline.add_arguments(off)
     off.set_defaults(func=offline.run)
+    from llmaccel.bench import serve as bench_serve
+
+    srv = bench_serve_parser = bench_commands.add_parser(
+        "serve", help="load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2EL, throughput, goodput",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench_serve.add_arguments(srv)
+    bench_serve_parser.set_defaults(func=bench_serve.run)
     from llmaccel.bench import report
 
     rep = bench_commands.add_parser("report-offline", help="markdown table and a PNG bar chart from result files",

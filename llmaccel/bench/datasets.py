@@ -1,10 +1,14 @@
-"""Prompt sets for the benchmarks."""
+"""Prompt sets for the benchmarks: the built-in chat prompts, ShareGPT files, random token prompts."""
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from importlib.resources import files
+from pathlib import Path
+
+DATASETS = ("builtin", "sharegpt", "random")
 
 
 @dataclass(frozen=True)
@@ -14,7 +18,93 @@ class BenchPrompt:
     output_len: int  # the target output length drawn for this prompt
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request of a serving benchmark: what to send and how many tokens to ask for."""
+
+    prompt: str
+    prompt_len: int  # tokens of the prompt text (the server's own count, with the chat template, may differ)
+    expected_output_len: int
+
+
 def builtin_prompts() -> list[BenchPrompt]:
     """The shipped set: 200 chat prompts (English and Chinese) with realistic target lengths."""
     text = files("llmaccel.bench").joinpath("data/chat_prompts.jsonl").read_text(encoding="utf-8")
     return [BenchPrompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def builtin_requests(tokenizer, num_prompts: int, output_len: int | None = None) -> list[SampleRequest]:
+    prompts = builtin_prompts()
+    if num_prompts > len(prompts):
+        raise ValueError(f"the built-in set has {len(prompts)} prompts; ask for at most that many")
+    return [SampleRequest(p.prompt, len(tokenizer.encode(p.prompt, add_special_tokens=False)),
+                          output_len or p.output_len) for p in prompts[:num_prompts]]
+
+
+def read_sharegpt(path: Path) -> list[dict]:
+    """The conversations of a ShareGPT JSON file (a list of {"conversations": [{"from", "value"}]}).
+
+    Read item by item, so a file cut off in the middle (as some published copies are) still yields
+    every complete conversation before the cut."""
+    text = Path(path).read_text(encoding="utf-8")
+    start = text.find("[")
+    if start < 0:
+        raise ValueError(f"{path}: not a ShareGPT file (expected a JSON list of conversations)")
+    decoder = json.JSONDecoder()
+    items, pos = [], start + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # truncated file: keep what came before
+        items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no complete conversation found")
+    return items
+
+
+def sharegpt_requests(path: Path, tokenizer, num_prompts: int, output_len: int | None = None,
+                      seed: int = 0) -> list[SampleRequest]:
+    """As vLLM samples ShareGPT: the first human turn is the prompt, the reply's token count the output
+    length; pairs shorter than 4 tokens, prompts over 1024 or pairs over 2048 tokens are skipped."""
+    conversations = [c.get("conversations") or c.get("conversation") or [] for c in read_sharegpt(path)]
+    pairs = [(c[0]["value"], c[1]["value"]) for c in conversations
+             if len(c) >= 2 and c[0].get("from") in ("human", "user") and isinstance(c[0].get("value"), str)
+             and isinstance(c[1].get("value"), str)]
+    random.Random(seed).shuffle(pairs)
+    chosen: list[SampleRequest] = []
+    for prompt, reply in pairs:
+        if len(chosen) == num_prompts:
+            break
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        reply_len = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < 4 or reply_len < 4 or prompt_len > 1024 or prompt_len + reply_len > 2048:
+            continue
+        chosen.append(SampleRequest(prompt, prompt_len, reply_len))
+    if len(chosen) < num_prompts:
+        raise ValueError(f"{path} has only {len(chosen)} usable conversations; ask for fewer prompts")
+    return chosen
+
+
+def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    seed: int = 0) -> list[SampleRequest]:
+    """Prompts of random ordinary tokens; lengths drawn uniformly within +-range_ratio of the targets."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    vocab = [t for t in range(len(tokenizer)) if t not in special]
+
+    def draw(target: int) -> int:
+        return max(1, rng.randint(int(target * (1 - range_ratio)), int(target * (1 + range_ratio))))
+
+    requests = []
+    for _ in range(num_prompts):
+        n = draw(input_len)
+        text = tokenizer.decode([rng.choice(vocab) for _ in range(n)])
+        requests.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), draw(output_len)))
+    return requests

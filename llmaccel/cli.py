@@ -127,11 +127,33 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=offline.run)
     from llmaccel.bench import serve as bench_serve
 
-    srv = bench_serve_parser = bench_commands.add_parser(
+    srv = bench_commands.add_parser(
         "serve", help="load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2EL, throughput, goodput",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench_serve.add_arguments(srv)
-    bench_serve_parser.set_defaults(func=bench_serve.run)
+    srv.set_defaults(func=bench_serve.run)
+    from llmaccel.bench import sweep
+
+    swp = bench_commands.add_parser("sweep", help="bench serve at several concurrencies or request rates, then plot",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sweep.add_sweep_arguments(swp)
+    swp.set_defaults(func=sweep.run_sweep)
+    plot = bench_commands.add_parser("plot", help="markdown table and PNG plots from bench serve/sweep result files",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sweep.add_plot_arguments(plot)
+    plot.set_defaults(func=sweep.run_plot)
+    from llmaccel.bench import compare
+
+    cmp = bench_commands.add_parser("compare", help="the headline table: HF baseline server vs llmaccel (and peers)",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    compare.add_arguments(cmp)
+    cmp.set_defaults(func=compare.run)
+    hf = bench_commands.add_parser("hf-server", help="the HF transformers baseline server (one request at a time)",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from llmaccel.bench import hf_server
+
+    hf_server.add_arguments(hf)
+    hf.set_defaults(func=hf_server.run)
     from llmaccel.bench import report
 
     rep = bench_commands.add_parser("report-offline", help="markdown table and a PNG bar chart from result files",

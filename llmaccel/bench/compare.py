@@ -1,0 +1,171 @@
+"""`llmaccel bench compare`: the headline table in one command.
+
+It starts the HF transformers baseline server (one request at a time) and then llmaccel's server on
+the same model, one after the other so neither competes for the cores, and measures on each:
+(a) a lone request of 300 generated tokens, repeated (mean end-to-end latency), and (b) a burst of
+prompts at concurrency 64 (requests per second). Peak memory is the server process's peak RSS
+(VmHWM). `--peer label=URL` adds servers that are already running (vLLM, llama.cpp, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from llmaccel.bench import datasets
+from llmaccel.bench.serve import run_benchmark, tokenizer_for
+
+SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
+    parser.add_argument("--num-prompts", type=int, default=64, help="built-in prompts in the concurrency run")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight in the concurrency run")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens per request in the concurrency run")
+    parser.add_argument("--single-output-len", type=int, default=300, help="tokens of the lone request")
+    parser.add_argument("--single-repeat", type=int, default=3, help="how often the lone request runs (mean taken)")
+    parser.add_argument("--peer", action="append", default=[], metavar="LABEL=URL",
+                        help="also measure a server that is already running (repeatable)")
+    parser.add_argument("--skip-baseline", action="store_true", help="do not start the HF baseline")
+    parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
+    parser.add_argument("--result-json", type=Path, help="write every figure here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """The process's peak resident set (VmHWM), Linux only."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _start(command: list[str], port: int, log: Path, timeout: float = 900) -> subprocess.Popen:
+    proc = subprocess.Popen(command + ["--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{' '.join(command)} did not come up; its log:\n{log.read_text()[-3000:]}")
+
+
+def _measure(url: str, label: str, args: argparse.Namespace, tokenizer) -> dict:
+    def bench_args(**kw) -> argparse.Namespace:
+        base = dict(base_url=url, model=None, endpoint="chat", api_key=None, seed=0, label=label, timeout=3600.0,
+                    burstiness=1.0, temperature=0.0, ignore_eos=True, goodput=None, percentiles="50,90,99",
+                    dataset="builtin")
+        return argparse.Namespace(**{**base, **kw})
+
+    single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
+    warm = datasets.SampleRequest("Hello!", 0, 8)
+    progress = not args.no_progress
+    asyncio.run(run_benchmark(bench_args(), [warm], tokenizer, float("inf"), 1, progress=False))
+    single = asyncio.run(run_benchmark(bench_args(), [single_prompt] * args.single_repeat, tokenizer, float("inf"), 1,
+                                       progress=progress))
+    burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
+    loaded = asyncio.run(run_benchmark(bench_args(), burst, tokenizer, float("inf"), args.concurrency,
+                                       progress=progress))
+    return {"label": label, "single": single, "concurrent": loaded}
+
+
+def run(args: argparse.Namespace) -> int:
+    tokenizer = tokenizer_for(argparse.Namespace(tokenizer=args.model, model=args.model))
+    systems: list[dict] = []
+    logs = Path(tempfile.mkdtemp(prefix="llmaccel-compare-"))
+    servers = [] if args.skip_baseline else [("hf-baseline", [sys.executable, "-m", "llmaccel.cli", "bench",
+                                                               "hf-server", "--model", args.model])]
+    servers.append(("llmaccel", [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model,
+                                 *args.serve_args.split()]))
+    for label, command in servers:
+        port = _free_port()
+        print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
+        proc = _start(command, port, logs / f"{label}.log")
+        try:
+            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer)
+            figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        systems.append(figures)
+    for peer in args.peer:
+        label, sep, url = peer.partition("=")
+        if not sep:
+            raise ValueError(f"--peer {peer!r}: write LABEL=URL")
+        systems.append({**_measure(url, label, args, tokenizer), "peak_rss_bytes": None})
+    print(format_table(systems, args))
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps({"model": args.model, "systems": systems}, indent=1))
+        print(f"wrote {args.result_json}", file=sys.stderr)
+    return 0
+
+
+def format_table(systems: list[dict], args: argparse.Namespace) -> str:
+    """Markdown: one column per server, plus llmaccel's improvement over the first (the baseline)."""
+    rows = [
+        (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
+         lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
+        ("peak memory of the server process (GiB)",
+         lambda s: s["peak_rss_bytes"] / 2**30 if s["peak_rss_bytes"] else None, "lower"),
+        (f"QPS at concurrency {args.concurrency} ({args.num_prompts} x {args.output_len} tokens)",
+         lambda s: s["concurrent"]["request_throughput"], "higher"),
+        (f"output tokens/s at concurrency {args.concurrency}", lambda s: s["concurrent"]["output_throughput"],
+         "higher"),
+        (f"median TTFT at concurrency {args.concurrency} (s)", lambda s: s["concurrent"]["median_ttft_ms"] / 1000,
+         "lower"),
+        ("failed requests", lambda s: s["single"]["failed"] + s["concurrent"]["failed"], None),
+    ]
+    ours = next((s for s in systems if s["label"] == "llmaccel"), None)
+    base = systems[0] if systems and systems[0] is not ours else None
+    head = "| | " + " | ".join(s["label"] for s in systems) + (" | improvement |" if base and ours else " |")
+    lines = [head, "|---" * (len(systems) + 1 + bool(base and ours)) + "|"]
+    for name, get, better in rows:
+        cells = [_fmt(get(s)) for s in systems]
+        extra = ""
+        if base and ours:
+            b, o = get(base), get(ours)
+            extra = f" {_ratio(b, o, better)} |" if better else " |"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |" + extra)
+    return "\n".join(lines)
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value}" if isinstance(value, int) else f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def _ratio(base: float | None, ours: float | None, better: str) -> str:
+    if not base or not ours:
+        return "n/a"
+    return f"{base / ours:.2f}x lower" if better == "lower" else f"{ours / base:.2f}x higher"

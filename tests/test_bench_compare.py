@@ -1,0 +1,83 @@
+"""`bench compare` (real server processes on a tiny model), `bench sweep` against a live server, and
+`bench plot`: the PNGs are opened and must be real, non-trivial images."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+import numpy as np
+
+from llmaccel.bench.sweep import plot_results
+from llmaccel.cli import main
+from tests.live_server import live_server
+
+
+def assert_real_png(path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 500
+    assert np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0).shape[0] > 20  # lines, text: not a blank canvas
+
+
+def test_compare_starts_both_servers_and_prints_the_table(llama_dir, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "6", "--concurrency", "3",
+                 "--output-len", "8", "--single-output-len", "24", "--single-repeat", "2", "--no-progress",
+                 "--serve-args", "--num-kv-blocks 128", "--result-json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| | hf-baseline | llmaccel | improvement |" in table
+    assert "mean latency, 1 request x 24 tokens (s)" in table and "QPS at concurrency 3 (6 x 8 tokens)" in table
+    systems = json.loads(out.read_text())["systems"]
+    assert [s["label"] for s in systems] == ["hf-baseline", "llmaccel"]
+    for s in systems:
+        assert s["single"]["completed"] == 2 and s["single"]["total_output_tokens"] == 48
+        assert s["concurrent"]["completed"] == 6 and s["concurrent"]["total_output_tokens"] == 48
+        assert s["concurrent"]["failed"] == 0 and s["peak_rss_bytes"] > 50 * 2**20
+
+
+def test_sweep_over_concurrency_writes_results_and_plots(llama_dir, tmp_path, capsys):
+    with live_server(llama_dir) as server:
+        assert main(["bench", "sweep", "--base-url", server.url, "--tokenizer", str(llama_dir), "--concurrency", "1,4",
+                     "--num-prompts", "4", "--dataset", "random", "--input-len", "16", "--output-len", "6",
+                     "--ignore-eos", "--result-dir", str(tmp_path), "--label", "tiny"]) == 0
+    results = sorted(tmp_path.glob("tiny-c*.json"))
+    assert [p.name for p in results] == ["tiny-c1.json", "tiny-c4.json"]
+    c4 = json.loads(results[1].read_text())
+    assert c4["max_concurrency"] == 4 and c4["completed"] == 8 and c4["total_output_tokens"] == 48
+    table = capsys.readouterr().out
+    assert table.count("| tiny |") == 2
+    assert_real_png(tmp_path / "serve-throughput.png")
+    assert_real_png(tmp_path / "serve-latency.png")
+
+
+def fake_result(label: str, concurrency: int, throughput: float) -> dict:
+    result = {"label": label, "max_concurrency": concurrency, "request_rate": float("inf"), "failed": 0,
+              "request_throughput": throughput / 64, "output_throughput": throughput, "mean_e2el_ms": 4000.0}
+    for metric, base in (("ttft", 200.0), ("tpot", 40.0), ("itl", 40.0)):
+        result[f"median_{metric}_ms"] = base * (1 + concurrency / 16)
+        result[f"p99_{metric}_ms"] = base * (2 + concurrency / 8)
+    return result
+
+
+def test_plot_draws_one_line_per_server(tmp_path):
+    results = [fake_result("llmaccel", c, t) for c, t in ((1, 30.0), (4, 100.0), (16, 220.0), (64, 330.0))]
+    results += [fake_result("hf-baseline", c, 17.0) for c in (1, 4, 16)]
+    files = []
+    for i, r in enumerate(results):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    assert main(["bench", "plot", *map(str, files), "--out-dir", str(tmp_path / "img"), "--prefix", "cmp"]) == 0
+    assert_real_png(tmp_path / "img" / "cmp-throughput.png")
+    assert_real_png(tmp_path / "img" / "cmp-latency.png")
+    table = plot_results(results, tmp_path / "img2")
+    assert table.count("| llmaccel |") == 4 and table.count("| hf-baseline |") == 3
+    assert "| llmaccel | 64 | 5.16 | 330.0 | 1000 |" in table
+
+
+def test_plot_names_a_bad_result_file(tmp_path, capsys):
+    assert main(["bench", "plot", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    assert main(["bench", "plot", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json: cannot read a result file" in err and "other.json: not a bench serve result" in err

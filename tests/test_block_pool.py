@@ -30,13 +30,28 @@ def test_allocation_that_cannot_be_met_takes_nothing():
     assert pool.free_block_ids() == [3]
 
 
-def test_freed_blocks_join_the_tail_and_are_reused_least_recent_first():
+def test_freed_blocks_go_to_the_head_and_are_reused_before_untouched_ones():
     pool = BlockPool(6)
     pool.allocate(4)  # 0 1 2 3
     pool.free([1, 0])
-    assert pool.free_block_ids() == [4, 5, 1, 0]
-    assert pool.allocate(3) == [4, 5, 1]
-    assert pool.free_block_ids() == [0]
+    assert pool.free_block_ids() == [1, 0, 4, 5]
+    assert pool.allocate(3) == [1, 0, 4]
+    assert pool.free_block_ids() == [5]
+    pool.free([3])
+    pool.free([2])
+    assert pool.free_block_ids() == [2, 3, 5]  # the most recently freed first
+
+
+def test_one_request_at_a_time_keeps_reusing_the_same_blocks():
+    """The pool is mapped lazily: a long run of small requests must not touch the whole pool."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    touched: set[int] = set()
+    for i in range(50):
+        request = _request(10, f"r{i}")
+        kv.allocate_slots(request, 10)
+        touched.update(request.block_ids)
+        kv.free(request)
+    assert touched == {0, 1, 2}
 
 
 def test_a_block_is_free_only_when_its_last_reference_goes():
@@ -46,7 +61,7 @@ def test_a_block_is_free_only_when_its_last_reference_goes():
     pool.free([block])
     assert pool.ref_counts[block] == 1 and block not in pool.free_block_ids()
     pool.free([block])
-    assert pool.ref_counts[block] == 0 and pool.free_block_ids()[-1] == block
+    assert pool.ref_counts[block] == 0 and pool.free_block_ids()[0] == block
 
 
 def test_freeing_a_free_block_is_an_error():
@@ -80,5 +95,5 @@ def test_free_releases_a_request_tail_first():
     kv.allocate_slots(b, 4)
     kv.free(a)
     assert a.block_ids == []
-    assert kv.pool.free_block_ids() == [3, 4, 5, 1, 0]
+    assert kv.pool.free_block_ids() == [1, 0, 3, 4, 5]
     assert kv.pool.ref_counts == [0, 0, 1, 0, 0, 0]

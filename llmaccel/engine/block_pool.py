@@ -1,7 +1,11 @@
 """BlockPool: the physical KV blocks, their reference counts and the free queue.
 
-Freed blocks go to the tail of an LRU free queue and allocation takes from the head, so the
-block freed longest ago is reused first (the order prefix caching will rely on to keep hot blocks).
+Allocation takes from the head of the free queue. A freed block goes back to the head, so the
+most recently freed blocks are reused first. The KV pool is mapped lazily (a page costs memory
+once written), so reusing warm blocks keeps what a server really holds at its peak concurrent
+need; handing out the block freed longest ago instead would, over a long run, walk and make
+resident the whole pool. Blocks that hold a cached prefix (the prefix-caching issue) are to wait
+at the tail instead, in LRU order.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # OrderedDict as an O(1) doubly linked list: head = least recently freed.
+        # OrderedDict as an O(1) doubly linked list: head = next to be handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property
@@ -38,18 +42,16 @@ class BlockPool:
         return blocks
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks that reach zero join the free queue's tail.
-
-        Callers pass a request's blocks in reverse order so its tail blocks (least likely to be
-        shared as a prefix) are reused first.
-        """
+        """Drop one reference from each block; blocks that reach zero go to the head of the free
+        queue, in the order given (callers pass a request's blocks tail first)."""
         for block_id in block_ids:
-            count = self.ref_counts[block_id]
-            if count <= 0:
+            if self.ref_counts[block_id] <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
-            self.ref_counts[block_id] = count - 1
-            if count == 1:
+        for block_id in reversed(block_ids):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
 
     def free_block_ids(self) -> list[int]:
         """The free queue in reuse order (head first); for tests and debugging."""

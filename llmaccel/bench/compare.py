@@ -166,6 +166,10 @@ def _fmt(value: float | int | None) -> str:
 
 
 def _ratio(base: float | None, ours: float | None, better: str) -> str:
+    """llmaccel against the baseline, in words that cannot be misread (a loss reads as a loss)."""
     if not base or not ours:
         return "n/a"
-    return f"{base / ours:.2f}x lower" if better == "lower" else f"{ours / base:.2f}x higher"
+    higher = ours / base
+    if higher >= 1:
+        return f"{higher:.2f}x higher" + (" (better)" if better == "higher" else " (worse)")
+    return f"{1 / higher:.2f}x lower" + (" (better)" if better == "lower" else " (worse)")

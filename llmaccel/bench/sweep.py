@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -99,6 +100,9 @@ def plot_results(results: list[dict], out_dir: Path, prefix: str = "serve") -> s
     for label, points in series.items():
         ax.plot([_x(p) for p in points], [p["output_throughput"] for p in points], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({_x(r) for r in results}))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel(x_name)
     ax.set_ylabel("output tokens/s")
     ax.set_title("Output throughput")

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-repeat", type=int, default=3, help="how often the lone request runs (mean taken)")
     parser.add_argument("--peer", action="append", default=[], metavar="LABEL=URL",
                         help="also measure a server that is already running (repeatable)")
+    parser.add_argument("--peer-extra-body", type=json.loads, default=None, metavar="JSON",
+                        help='fields added to requests sent to --peer servers, e.g. \'{"logit_bias": {"2": -100}}\' '
+                             "where a peer ignores ignore_eos")
     parser.add_argument("--skip-baseline", action="store_true", help="do not start the HF baseline")
     parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
     parser.add_argument("--result-json", type=Path, help="write every figure here")
@@ -76,11 +79,11 @@ def _start(command: list[str], port: int, log: Path, timeout: float = 900) -> su
     raise RuntimeError(f"{' '.join(command)} did not come up; its log:\n{log.read_text()[-3000:]}")
 
 
-def _measure(url: str, label: str, args: argparse.Namespace, tokenizer) -> dict:
+def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None) -> dict:
     def bench_args(**kw) -> argparse.Namespace:
         base = dict(base_url=url, model=None, endpoint="chat", api_key=None, seed=0, label=label, timeout=3600.0,
                     burstiness=1.0, temperature=0.0, ignore_eos=True, goodput=None, percentiles="50,90,99",
-                    dataset="builtin")
+                    dataset="builtin", extra_body=extra_body)
         return argparse.Namespace(**{**base, **kw})
 
     single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         label, sep, url = peer.partition("=")
         if not sep:
             raise ValueError(f"--peer {peer!r}: write LABEL=URL")
-        systems.append({**_measure(url, label, args, tokenizer), "peak_rss_bytes": None})
+        systems.append({**_measure(url, label, args, tokenizer, args.peer_extra_body), "peak_rss_bytes": None})
     print(format_table(systems, args))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
                         help="gamma shape of the arrival process: 1 is Poisson, < 1 burstier, > 1 steadier")
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every requested token")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    parser.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                        help='fields merged into every request body, e.g. \'{"logit_bias": {"2": -100}}\' to ban '
+                             "EOS on a server without ignore_eos")
     parser.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
     parser.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
@@ -147,6 +150,7 @@ def _body(args: argparse.Namespace, model: str, request: datasets.SampleRequest)
         body["prompt"] = request.prompt
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(getattr(args, "extra_body", None) or {})
     return body
 
 

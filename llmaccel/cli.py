@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -87,6 +88,21 @@ def _chat(args: argparse.Namespace) -> int:
     return chat.run(args, _engine_options(args))
 
 
+_BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments function, its run function
+    ("serve", "serve", "load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2EL, throughput, goodput",
+     "add_arguments", "run"),
+    ("sweep", "sweep", "bench serve at several concurrencies or request rates, then plot",
+     "add_sweep_arguments", "run_sweep"),
+    ("plot", "sweep", "markdown table and PNG plots from bench serve/sweep result files", "add_plot_arguments",
+     "run_plot"),
+    ("compare", "compare", "the headline table: HF baseline server vs llmaccel (and peers)", "add_arguments", "run"),
+    ("hf-server", "hf_server", "the HF transformers baseline server (one request at a time)", "add_arguments", "run"),
+    ("offline", "offline", "llmaccel vs HF transformers on the same prompts, in one run", "add_arguments", "run"),
+    ("report-offline", "report", "markdown table and a PNG bar chart from offline result files", "add_arguments",
+     "run"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmaccel", description="LLM inference accelerator")
     parser.add_argument("--log-level", default="INFO", help="llmaccel's log level: DEBUG, INFO, WARNING or ERROR")
@@ -117,49 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(gen)
     gen.set_defaults(func=_generate)
 
-    bench = commands.add_parser("bench", help="benchmarks")
+    bench = commands.add_parser("bench", help="benchmarks: serving load tests, comparisons, offline throughput")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    from llmaccel.bench import offline
-
-    off = bench_commands.add_parser("offline", help="llmaccel vs HF transformers on the same prompts, in one run",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    offline.add_arguments(off)
-    off.set_defaults(func=offline.run)
-    from llmaccel.bench import serve as bench_serve
-
-    srv = bench_commands.add_parser(
-        "serve", help="load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2EL, throughput, goodput",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench_serve.add_arguments(srv)
-    srv.set_defaults(func=bench_serve.run)
-    from llmaccel.bench import sweep
-
-    swp = bench_commands.add_parser("sweep", help="bench serve at several concurrencies or request rates, then plot",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sweep.add_sweep_arguments(swp)
-    swp.set_defaults(func=sweep.run_sweep)
-    plot = bench_commands.add_parser("plot", help="markdown table and PNG plots from bench serve/sweep result files",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sweep.add_plot_arguments(plot)
-    plot.set_defaults(func=sweep.run_plot)
-    from llmaccel.bench import compare
-
-    cmp = bench_commands.add_parser("compare", help="the headline table: HF baseline server vs llmaccel (and peers)",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    compare.add_arguments(cmp)
-    cmp.set_defaults(func=compare.run)
-    hf = bench_commands.add_parser("hf-server", help="the HF transformers baseline server (one request at a time)",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from llmaccel.bench import hf_server
-
-    hf_server.add_arguments(hf)
-    hf.set_defaults(func=hf_server.run)
-    from llmaccel.bench import report
-
-    rep = bench_commands.add_parser("report-offline", help="markdown table and a PNG bar chart from result files",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    report.add_arguments(rep)
-    rep.set_defaults(func=report.run)
+    for name, module_name, help_text, add_args, run in _BENCH_COMMANDS:
+        module = importlib.import_module(f"llmaccel.bench.{module_name}")
+        sub = bench_commands.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        getattr(module, add_args)(sub)
+        sub.set_defaults(func=getattr(module, run))
     return parser
 
 

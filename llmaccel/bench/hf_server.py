@@ -18,12 +18,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from transformers import AutoModelForCausalLM, GenerationConfig
-from transformers.generation.streamers import BaseStreamer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,14 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8001, help="TCP port to listen on")
 
 
-class _TokenStreamer(BaseStreamer):
-    """Hands each new token id from the generate thread to the event loop."""
+class _TokenStreamer:
+    """Hands each new token id from the generate thread to the event loop (transformers' streamer
+    protocol: `put` gets the prompt first, then each new token; `end` closes)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
         self.loop, self.queue, self.seen_prompt = loop, queue, False
 
-    def put(self, value: torch.Tensor) -> None:
-        if not self.seen_prompt:  # generate first hands over the prompt
+    def put(self, value) -> None:
+        if not self.seen_prompt:
             self.seen_prompt = True
             return
         for token in value.flatten().tolist():
@@ -50,6 +47,9 @@ class _TokenStreamer(BaseStreamer):
 
 
 def create_app(model_name: str) -> FastAPI:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     from llmaccel.model.loader import hf_dir_for, load_tokenizer
 
     hf_dir = hf_dir_for(model_name)
@@ -142,5 +142,7 @@ def create_app(model_name: str) -> FastAPI:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
     uvicorn.run(create_app(args.model), host=args.host, port=args.port, log_level="warning")
     return 0

@@ -13,6 +13,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model alias (smollm2-135m), a .gguf file, or an HF directory with safetensors")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--quantization", choices=("int8", "int4"),
+                        help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
+                             "in --dtype)")
+    parser.add_argument("--quant-group-size", type=int,
+                        help="INT4 group size: 32, 64 or 128 (default: the largest that divides each layer)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -23,7 +28,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    options = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
+                   quant_group_size=args.quant_group_size, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

@@ -80,7 +80,8 @@ class LLMEngine:
         self.max_model_len = min(limits)
         self.num_blocks = num_blocks
         model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
-                                 max_positions=self.max_model_len, use_kernel=use_kernel)
+                                 max_positions=self.max_model_len, use_kernel=use_kernel,
+                                 quantization=config.model.quantization, group_size=config.model.quant_group_size)
         del checkpoint
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, qkv: Linear, o: Linear, mlp: GatedMLP, input_norm: RMSNorm,
+    def __init__(self, spec: ModelSpec, qkv: nn.Module, o: nn.Module, mlp: GatedMLP, input_norm: RMSNorm,
                  post_norm: RMSNorm) -> None:
         super().__init__()
         self.q_size = spec.num_heads * spec.head_dim
@@ -43,23 +43,32 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int, use_kernel: bool | None = None) -> None:
+                 device: torch.device, max_positions: int, use_kernel: bool | None = None,
+                 quantization: str | None = None, group_size: int | None = None) -> None:
+        """`quantization` (int8 / int4) applies to every decoder linear layer; the embedding and the LM
+        head stay in `dtype` (mixed precision, as weight-only schemes recommend)."""
         super().__init__()
         self.spec = spec
         take = _WeightTaker(weights, dtype, device)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> nn.Module:
+            return build_linear(weight, bias, quantization, group_size, name)
+
         self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             qkv_bias = take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
                                  p + "self_attn.v_proj.bias"]) if spec.qkv_bias else None
-            qkv = Linear(take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                   p + "self_attn.v_proj.weight"]), qkv_bias)
-            o = Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias") if spec.o_bias else None)
+            qkv = linear(take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                   p + "self_attn.v_proj.weight"]), qkv_bias, p + "self_attn.qkv")
+            o = linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias") if spec.o_bias else None,
+                       p + "self_attn.o_proj")
             gate_up_bias = take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if spec.mlp_bias else None
-            mlp = GatedMLP(Linear(take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), gate_up_bias),
-                           Linear(take(p + "mlp.down_proj.weight"),
-                                  take(p + "mlp.down_proj.bias") if spec.mlp_bias else None))
+            mlp = GatedMLP(linear(take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), gate_up_bias,
+                                  p + "mlp.gate_up"),
+                           linear(take(p + "mlp.down_proj.weight"),
+                                  take(p + "mlp.down_proj.bias") if spec.mlp_bias else None, p + "mlp.down_proj"))
             input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             input_norm.weight.data = take(p + "input_layernorm.weight")
             post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -1,0 +1,1 @@
+"""Weight-only quantization: formats, quantize, calibrate, evaluate."""

@@ -1,0 +1,92 @@
+"""Weight-only quantization formats: INT8 per output channel and INT4 group-wise.
+
+INT8 (symmetric): w[n, k] ~= q[n, k] * scale[n], q in [-127, 127].
+INT4 (asymmetric, group G along the input dimension): w[n, k] ~= (q[n, k] - 8) * scale[n, g] + zero[n, g]
+with g = k // G and q in [0, 15]. This is the convention of PyTorch's CPU int4 kernel, and GGUF's
+Q4_1 (w = d * q + m over 32 weights) maps onto it exactly: scale = d, zero = m + 8 d.
+Packed INT4 holds two weights per byte, the even column in the low nibble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128)
+METHODS = ("int8", "int4")
+
+
+@dataclass
+class Int8Weight:
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K // 2], two 4-bit values per byte
+    scale: torch.Tensor  # float32 [N, K // G]
+    zero: torch.Tensor  # float32 [N, K // G]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        q = unpack_int4(self.packed).float().view(n, k // self.group_size, self.group_size)
+        return ((q - 8) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + (self.scale.numel() + self.zero.numel()) * self.scale.element_size()
+
+
+def check_group_size(group_size: int, in_features: int, name: str = "a layer") -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"INT4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"INT4 group size {group_size} does not divide the {in_features} input features of "
+                         f"{name}; choose one of {[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none'}")
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Round to nearest, one symmetric scale per output channel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "a layer") -> Int4Weight:
+    """Round to nearest, an asymmetric (min/max) scale and zero per group of `group_size` inputs."""
+    n, k = weight.shape
+    check_group_size(group_size, k, name)
+    w = weight.float().view(n, k // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.clamp(torch.round((w - low[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
+    return Int4Weight(pack_int4(q.view(n, k)), scale, low + 8 * scale, group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] with values 0..15 -> uint8 [N, K // 2] (even column in the low nibble)."""
+    if q.shape[-1] % 2:
+        raise ValueError("INT4 packing needs an even number of input features")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)

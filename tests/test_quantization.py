@@ -1,0 +1,96 @@
+"""Weight-only INT8 / INT4: packing round trips exactly, each quantized linear matches its
+dequantized float reference to rounding, and a quantized tiny model runs through the whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmaccel.llm import LLM
+from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, int4_kernel_available, int8_kernel_available
+from llmaccel.quantization.formats import pack_int4, quantize_int4, quantize_int8, unpack_int4
+from llmaccel.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def test_int4_pack_unpack_round_trips_exactly():
+    q = torch.randint(0, 16, (7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(q)
+    assert packed.shape == (7, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert packed[0, 0].item() == q[0, 0].item() | (q[0, 1].item() << 4)  # even column in the low nibble
+    with pytest.raises(ValueError, match="even number"):
+        pack_int4(q[:, :63])
+
+
+def test_quantizers_reconstruct_within_half_a_step():
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(1))
+    w8 = quantize_int8(w)
+    assert w8.q.dtype == torch.int8 and w8.q.abs().max() == 127  # the largest weight of a row maps to +-127
+    assert ((w8.dequantize() - w) .abs() <= w8.scale[:, None] / 2 + 1e-6).all()
+    for group in (32, 64, 128):
+        w4 = quantize_int4(w, group)
+        assert w4.packed.shape == (24, 64) and w4.scale.shape == (24, 128 // group)
+        step = w4.scale.repeat_interleave(group, dim=1)
+        assert ((w4.dequantize() - w).abs() <= step / 2 + 1e-5).all()
+        assert w4.nbytes < w.numel() * w.element_size() / 5  # really packed: under a fifth of float32
+
+
+def test_group_size_must_divide_the_layer():
+    with pytest.raises(ValueError, match="group size 128 does not divide the 576 input features of qkv"):
+        quantize_int4(torch.randn(8, 576), 128, "qkv")
+    with pytest.raises(ValueError, match="must be one of"):
+        quantize_int4(torch.randn(8, 96), 48)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_int8_linear_matches_its_dequantized_reference(use_kernel):
+    if use_kernel and not int8_kernel_available():
+        pytest.skip("no int8 weight-only kernel in this torch build")
+    g = torch.Generator().manual_seed(2)
+    w, bias, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(5, 64, generator=g)
+    qw = quantize_int8(w)
+    layer = Int8Linear(qw, bias, CPU, use_kernel=use_kernel)
+    want = x @ qw.dequantize().t() + bias
+    tolerance = 1e-2 * want.abs().max() if use_kernel else 1e-4  # the kernel rounds x and its output to bf16
+    assert (layer(x) - want).abs().max() <= tolerance
+    assert layer(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_linear_matches_its_dequantized_reference(use_kernel, group):
+    if use_kernel and not int4_kernel_available():
+        pytest.skip("no int4 weight-only kernel in this torch build")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(80, 128, generator=g), torch.randn(4, 128, generator=g)
+    qw = quantize_int4(w, group)
+    layer = Int4Linear(qw, None, CPU, use_kernel=use_kernel)
+    want = x @ qw.dequantize().t()
+    tolerance = 1e-2 * want.abs().max() if use_kernel else 1e-4
+    assert (layer(x) - want).abs().max() <= tolerance
+    assert layer.weight_bytes < w.numel() * 4 / 5
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_runs_through_the_engine_batched_and_preempted(llama_dir, method):
+    """Greedy outputs of a quantized tiny model are the same alone, in a batch, and under preemption."""
+    prompts = ["The quick brown fox", "你好，世界", "Continuous batching packs", "A paged KV cache"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [LLM(str(llama_dir), quantization=method, quant_group_size=32).generate(p, params)[0]
+             for p in prompts[:1]]
+    batched = LLM(str(llama_dir), quantization=method, quant_group_size=32).generate(prompts, params)
+    squeezed = LLM(str(llama_dir), quantization=method, quant_group_size=32, num_kv_blocks=12, block_size=4)
+    preempted = squeezed.generate(prompts, params)
+    assert squeezed.engine.scheduler.num_preemptions > 0
+    assert batched[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in preempted] == [o.outputs[0].token_ids for o in batched]
+    modules = list(squeezed.engine.runner.model.modules())
+    quantized = Int8Linear if method == "int8" else Int4Linear
+    assert sum(isinstance(m, quantized) for m in modules) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+
+
+def test_unknown_method_is_a_clear_error(llama_dir):
+    with pytest.raises(ValueError, match="unknown quantization method 'int3'; choose int8 or int4"):
+        LLM(str(llama_dir), quantization="int3")

@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(gen)
     gen.set_defaults(func=_generate)
 
+    evaluate = commands.add_parser("eval", help="quality evaluations")
+    eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
+    from llmaccel.quantization import perplexity
+
+    ppl = eval_commands.add_parser("ppl", help="sliding-window perplexity of a model or its quantized variants",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    perplexity.add_arguments(ppl)
+    ppl.set_defaults(func=perplexity.run)
+
     bench = commands.add_parser("bench", help="benchmarks: serving load tests, comparisons, offline throughput")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, module_name, help_text, add_args, run in _BENCH_COMMANDS:

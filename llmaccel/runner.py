@@ -75,6 +75,24 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, rows)
         return {item.request.request_id: (tokens[i], logprobs[i]) for i, item in enumerate(sampled_items)}
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], block_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """log p(token[i] | token[:i]) for i = 1..n-1, from one prefill written into `block_ids`
+        (which the caller lends from the pool). Logits are taken `chunk` rows at a time."""
+        n, bs, device = len(token_ids), self.block_size, self.device
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(n)]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                                 num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None,
+                                 prefills=[PrefillSpan(0, n, n, None)], block_size=bs)
+        ids = torch.tensor(token_ids, device=device)
+        hidden = self.model(ids, torch.arange(n, device=device), meta, self.kv_caches)
+        pieces = []
+        for start in range(0, n - 1, chunk):
+            logits = self.model.compute_logits(hidden[start:min(start + chunk, n - 1)])
+            targets = ids[start + 1:start + 1 + logits.shape[0]]
+            pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
+        return torch.cat(pieces) if pieces else torch.empty(0, device=device)
+
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, blocks = self.block_size, request.block_ids
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]

@@ -10,7 +10,7 @@ import torch
 
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
-from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
@@ -142,6 +142,19 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token | the tokens before it) for every token after the first, as perplexity needs.
+
+        One prefill outside the scheduler, on blocks lent from the pool: call it between steps."""
+        self.check_prompt(token_ids)
+        blocks = self.kv_cache.pool.allocate(cdiv(len(token_ids), self.kv_cache.block_size))
+        if blocks is None:
+            raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
+        try:
+            return self.runner.prompt_logprobs(token_ids, blocks).tolist()
+        finally:
+            self.kv_cache.pool.free(blocks)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""

@@ -89,6 +89,11 @@ class Linear(nn.Module):
         self.packed = pack_weight(weight)
         self.weight = None if self.packed is not None else weight  # keep one copy only
 
+    @property
+    def weight_bytes(self) -> int:
+        size = 4 if self.weight is None else self.weight.element_size()
+        return self.out_features * self.in_features * size + (0 if self.bias is None else self.bias.numel() * size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

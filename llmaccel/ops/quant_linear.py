@@ -65,7 +65,8 @@ class Int8Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.q.numel() + self.scale.numel() * 4 + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
@@ -92,9 +93,10 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         if self.use_kernel:
-            return self.packed.numel() + self.scales_and_zeros.numel() * 2
-        return self.weight.nbytes
+            return self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias
+        return self.weight.nbytes + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:

@@ -1,0 +1,137 @@
+"""`llmaccel eval ppl`: sliding-window perplexity, and a side-by-side table of quantized variants.
+
+Perplexity is computed as HF's guide does it: windows of `ctx` tokens that advance by `stride`;
+each window scores only the tokens no earlier window scored, with the rest as context. The engine
+scores a window in one prefill (`LLMEngine.score`), so every variant runs its real kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
+
+# label -> engine options; "int4" picks the largest group (128/64/32) dividing each layer
+VARIANTS = {
+    "fp32": {},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "int4-g32": {"quantization": "int4", "quant_group_size": 32},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
+    parser.add_argument("--quantization", choices=("int8", "int4"), help="evaluate this weight-only variant")
+    parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: largest dividing each layer)")
+    parser.add_argument("--corpus", action="append", required=True,
+                        help=f"a UTF-8 text file or a named corpus ({', '.join(NAMED_CORPORA)}); repeatable")
+    parser.add_argument("--max-tokens", type=int, default=50_000, help="score the first this many tokens")
+    parser.add_argument("--ctx", type=int, default=1024, help="window length in tokens")
+    parser.add_argument("--stride", type=int, default=512, help="tokens a window advances (<= --ctx)")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"evaluate every variant ({', '.join(VARIANTS)}) and print a table with weight bytes "
+                             "and decode speed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    num_tokens: int
+
+
+def perplexity(engine, text: str, max_tokens: int, ctx: int, stride: int, progress: bool = True) -> PerplexityResult:
+    if not 1 <= stride <= ctx:
+        raise ValueError(f"--stride must be in [1, --ctx], got stride {stride} and ctx {ctx}")
+    if ctx >= engine.max_model_len:
+        raise ValueError(f"--ctx {ctx} must be below the model's max_model_len {engine.max_model_len}")
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError("the corpus has fewer than 2 tokens")
+    total, count, scored_until = 0.0, 0, 1  # position 0 has no context and is never scored
+    starts = range(0, max(1, len(ids) - 1), stride)
+    for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress):
+        end = min(begin + ctx, len(ids))
+        logprobs = engine.score(ids[begin:end])  # logprobs[j] scores ids[begin + j + 1]
+        first_new = scored_until - begin - 1
+        total -= sum(logprobs[first_new:])
+        count += len(logprobs) - first_new
+        scored_until = end
+        if end == len(ids):
+            break
+    return PerplexityResult(math.exp(total / count), count)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight the model holds: linear layers report their own (packed or quantized)
+    size, other parameters (embedding, norms) count as stored."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "weight_bytes"):
+            total += module.weight_bytes
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def decode_speed(llm, batch: int, tokens: int = 128) -> float:
+    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.sampling_params import SamplingParams
+
+    prompts = [p.prompt for p in builtin_prompts()[:batch]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    return batch * tokens / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmaccel.llm import LLM
+
+    texts = {name: load_corpus(name) for name in args.corpus}
+    if args.compare:
+        variants = VARIANTS
+    else:
+        options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size}
+        variants = {args.quantization or "fp32": {k: v for k, v in options.items() if v is not None}}
+    rows = []
+    for label, options in variants.items():
+        llm = LLM(args.model, **options)
+        row = {"variant": label, "weight_bytes": weight_bytes(llm.engine.runner.model)}
+        for name, text in texts.items():
+            result = perplexity(llm.engine, text, args.max_tokens, args.ctx, args.stride, not args.no_progress)
+            row[name] = result
+            print(f"{label} {name}: perplexity {result.perplexity:.4f} over {result.num_tokens} tokens",
+                  file=sys.stderr)
+        if args.compare:
+            row["batch1"], row["batch32"] = decode_speed(llm, 1), decode_speed(llm, 32)
+        rows.append(row)
+        del llm
+    print(format_table(rows, list(texts), args.compare))
+    print(f"(peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB)",
+          file=sys.stderr)
+    return 0
+
+
+def format_table(rows: list[dict], corpora: list[str], with_speed: bool) -> str:
+    base = rows[0]
+    head = ["variant"] + [f"ppl {c}" for c in corpora] + [f"vs {base['variant']} {c}" for c in corpora]
+    head += ["weight MiB", "vs " + base["variant"]] + (["batch-1 tok/s", "batch-32 tok/s"] if with_speed else [])
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for row in rows:
+        cells = [row["variant"]] + [f"{row[c].perplexity:.3f}" for c in corpora]
+        cells += [f"{(row[c].perplexity / base[c].perplexity - 1) * 100:+.2f}%" for c in corpora]
+        change = (row["weight_bytes"] / base["weight_bytes"] - 1) * 100
+        cells += [f"{row['weight_bytes'] / 2**20:.0f}", f"{change:+.0f}%"]
+        if with_speed:
+            cells += [f"{row['batch1']:.1f}", f"{row['batch32']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -96,7 +97,7 @@ def decode_speed(llm, batch: int, tokens: int = 128) -> float:
 def run(args: argparse.Namespace) -> int:
     from llmaccel.llm import LLM
 
-    texts = {name: load_corpus(name) for name in args.corpus}
+    texts = {name if name in NAMED_CORPORA else Path(name).name: load_corpus(name) for name in args.corpus}
     if args.compare:
         variants = VARIANTS
     else:

@@ -13,9 +13,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model alias (smollm2-135m), a .gguf file, or an HF directory with safetensors")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    parser.add_argument("--quantization", choices=("int8", "int4"),
+    parser.add_argument("--quantization", choices=("int8", "int4", "gguf"),
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
-                             "in --dtype)")
+                             "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1 tensors, used without requantizing")
     parser.add_argument("--quant-group-size", type=int,
                         help="INT4 group size: 32, 64 or 128 (default: the largest that divides each layer)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")

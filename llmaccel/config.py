@@ -50,7 +50,8 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on the CPU (no bf16 hardware here), bfloat16 on CUDA
     seed: int = 0
-    quantization: str | None = None  # weight-only "int8" or "int4" for the decoder's linear layers
+    quantization: str | None = None  # weight-only "int8" / "int4" for the decoder's linear layers, or "gguf":
+    # a GGUF file's own Q4_0/Q4_1 tensors as INT4, with no requantization
     quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: the largest dividing each layer
 
     def __post_init__(self) -> None:
@@ -60,8 +61,8 @@ class ModelConfig:
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
         if self.dtype != "auto":
             _dtype_from_name(self.dtype)
-        if self.quantization is not None and self.quantization not in ("int8", "int4"):
-            raise ValueError(f"unknown quantization method {self.quantization!r}; choose int8 or int4")
+        if self.quantization is not None and self.quantization not in ("int8", "int4", "gguf"):
+            raise ValueError(f"unknown quantization method {self.quantization!r}; choose int8, int4 or gguf")
         if self.quant_group_size not in (None, 32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
 

@@ -83,3 +83,31 @@ def test_unpermuted_q_matches_hf_rotary_layout(tied_dir, tmp_path, tiny_tokenize
     source = load_file(str(tied_dir / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(torch.from_numpy(converted[name]), torch.from_numpy(source[name]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
+def test_native_int4_load_equals_the_gguf_packages_dequantized_values(tied_dir, tmp_path, tiny_tokenizer, qtype):
+    from llmaccel.model.gguf_native import gguf_int4_weights
+
+    path = _write(tied_dir, tmp_path, qtype, tiny_tokenizer)
+    converted = load_file(str(hf_dir_for(str(path)) / "model.safetensors"))  # via gguf.quants.dequantize
+    native = gguf_int4_weights(path, json.loads((tied_dir / "config.json").read_text()))
+    assert len(native) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    for name, weight in native.items():
+        assert weight.group_size == 32
+        assert np.array_equal(weight.dequantize().numpy(), converted[name]), name
+
+
+def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, tiny_tokenizer):
+    from llmaccel.ops.quant_linear import Int4Linear
+
+    path = _write(tied_dir, tmp_path, Q.Q4_1, tiny_tokenizer)
+    llm = LLM(str(path), quantization="gguf")
+    assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 2 * 4
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown fox", "你好"]
+    batched = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in batched] == [12, 12]
+    assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf model"):
+        LLM(str(tied_dir), quantization="gguf")

@@ -55,6 +55,22 @@ class _Group:
         return all(s.request.is_finished for s in self.samples)
 
 
+def gguf_native_weights(model: str, hf_dir) -> dict:
+    """The GGUF file's own 4-bit tensors (for --quantization gguf); a clear error for other models."""
+    import json
+
+    from llmaccel.model.gguf_native import gguf_int4_weights
+    from llmaccel.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
+    weights = gguf_int4_weights(path, json.loads((hf_dir / "config.json").read_text()))
+    if not weights:
+        raise ValueError(f"{path} has no Q4_0/Q4_1 tensors to use natively; use --quantization int8 or int4")
+    return weights
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
         self.config = config
@@ -79,9 +95,12 @@ class LLMEngine:
             limits.append(self.spec.sliding_window)
         self.max_model_len = min(limits)
         self.num_blocks = num_blocks
+        quantization, native = config.model.quantization, None
+        if quantization == "gguf":
+            native, quantization = gguf_native_weights(config.model.model, checkpoint.hf_dir), None
         model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
-                                 max_positions=self.max_model_len, use_kernel=use_kernel,
-                                 quantization=config.model.quantization, group_size=config.model.quant_group_size)
+                                 max_positions=self.max_model_len, use_kernel=use_kernel, quantization=quantization,
+                                 group_size=config.model.quant_group_size, native_int4=native)
         del checkpoint
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)

@@ -123,17 +123,33 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
     }
 
 
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """llama.cpp's tensor name -> HF transformers' (None for tensors llmaccel recomputes, e.g. rope_freqs)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_rows(values: np.ndarray, gguf_name: str, config: dict) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleaving on any per-row array (weights, scales, biases)."""
+    parts = gguf_name.split(".")
+    if parts[-2] == "attn_q":
+        return _unpermute(values, config["num_attention_heads"])
+    if parts[-2] == "attn_k":
+        return _unpermute(values, config["num_key_value_heads"])
+    return values
+
+
 def _tensors(reader, config: dict, path: Path, gguf) -> dict[str, torch.Tensor]:
     state = {}
     for tensor in reader.tensors:
         name = tensor.name
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-            hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-        elif len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
-            hf_name = f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
-        else:
-            continue  # e.g. rope_freqs: recomputed from the config
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            continue
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -143,10 +159,7 @@ def _tensors(reader, config: dict, path: Path, gguf) -> dict[str, torch.Tensor]:
         except Exception as exc:
             raise CorruptCheckpointError(f"{path}: tensor {name} is unreadable, the file may be truncated "
                                          f"({type(exc).__name__}: {exc})") from exc
-        if parts[-2:] == ["attn_q", "weight"] or parts[-2:] == ["attn_q", "bias"]:
-            values = _unpermute(values, config["num_attention_heads"])
-        elif parts[-2:] == ["attn_k", "weight"] or parts[-2:] == ["attn_k", "bias"]:
-            values = _unpermute(values, config["num_key_value_heads"])
+        values = unpermute_rows(values, name, config)
         state[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
     if "model.embed_tokens.weight" not in state:
         raise CorruptCheckpointError(f"{path}: GGUF has no token_embd.weight tensor")

@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmaccel.model.gguf_native import concat_int4
 from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
+from llmaccel.ops.quant_linear import Int4Linear
+from llmaccel.quantization.formats import Int4Weight
 
 
 class DecoderLayer(nn.Module):
@@ -44,15 +47,19 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernel: bool | None = None,
-                 quantization: str | None = None, group_size: int | None = None) -> None:
+                 quantization: str | None = None, group_size: int | None = None,
+                 native_int4: Mapping[str, Int4Weight] | None = None) -> None:
         """`quantization` (int8 / int4) applies to every decoder linear layer; the embedding and the LM
-        head stay in `dtype` (mixed precision, as weight-only schemes recommend)."""
+        head stay in `dtype` (mixed precision, as weight-only schemes recommend). `native_int4` gives
+        ready INT4 weights by tensor name (a GGUF file's own), used as they are where present."""
         super().__init__()
         self.spec = spec
         take = _WeightTaker(weights, dtype, device)
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> nn.Module:
-            return build_linear(weight, bias, quantization, group_size, name)
+        def linear(names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
+            if native_int4 and all(n in native_int4 for n in names):
+                return Int4Linear(concat_int4([native_int4[n] for n in names]), bias, device)
+            return build_linear(take.cat(names), bias, quantization, group_size, name)
 
         self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
         layers = []
@@ -60,15 +67,14 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             qkv_bias = take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
                                  p + "self_attn.v_proj.bias"]) if spec.qkv_bias else None
-            qkv = linear(take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                   p + "self_attn.v_proj.weight"]), qkv_bias, p + "self_attn.qkv")
-            o = linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias") if spec.o_bias else None,
+            qkv = linear([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                         qkv_bias, p + "self_attn.qkv")
+            o = linear([p + "self_attn.o_proj.weight"], take(p + "self_attn.o_proj.bias") if spec.o_bias else None,
                        p + "self_attn.o_proj")
             gate_up_bias = take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if spec.mlp_bias else None
-            mlp = GatedMLP(linear(take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), gate_up_bias,
-                                  p + "mlp.gate_up"),
-                           linear(take(p + "mlp.down_proj.weight"),
-                                  take(p + "mlp.down_proj.bias") if spec.mlp_bias else None, p + "mlp.down_proj"))
+            down_bias = take(p + "mlp.down_proj.bias") if spec.mlp_bias else None
+            gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up_bias, p + "mlp.gate_up")
+            mlp = GatedMLP(gate_up, linear([p + "mlp.down_proj.weight"], down_bias, p + "mlp.down_proj"))
             input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             input_norm.weight.data = take(p + "input_layernorm.weight")
             post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -25,12 +25,13 @@ VARIANTS = {
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
     "int4-g32": {"quantization": "int4", "quant_group_size": 32},
+    "gguf-native": {"quantization": "gguf"},  # only for a GGUF model: its own Q4_0/Q4_1 tensors
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
-    parser.add_argument("--quantization", choices=("int8", "int4"), help="evaluate this weight-only variant")
+    parser.add_argument("--quantization", choices=("int8", "int4", "gguf"), help="evaluate this weight-only variant")
     parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: largest dividing each layer)")
     parser.add_argument("--corpus", action="append", required=True,
                         help=f"a UTF-8 text file or a named corpus ({', '.join(NAMED_CORPORA)}); repeatable")
@@ -99,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
 
     texts = {name if name in NAMED_CORPORA else Path(name).name: load_corpus(name) for name in args.corpus}
     if args.compare:
-        variants = VARIANTS
+        from llmaccel.model.loader import resolve_model_path
+
+        is_gguf = resolve_model_path(args.model).suffix.lower() == ".gguf"
+        variants = {k: v for k, v in VARIANTS.items() if is_gguf or v.get("quantization") != "gguf"}
     else:
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size}
         variants = {args.quantization or "fp32": {k: v for k, v in options.items() if v is not None}}

@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(gen)
     gen.set_defaults(func=_generate)
 
+    from llmaccel.quantization import checkpoint
+
+    quantize = commands.add_parser("quantize", help="write a weight-only INT8/INT4 checkpoint that --model loads",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    checkpoint.add_arguments(quantize)
+    quantize.set_defaults(func=checkpoint.run)
+
     evaluate = commands.add_parser("eval", help="quality evaluations")
     eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
     from llmaccel.quantization import perplexity

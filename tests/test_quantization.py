@@ -92,5 +92,41 @@ def test_quantized_model_runs_through_the_engine_batched_and_preempted(llama_dir
 
 
 def test_unknown_method_is_a_clear_error(llama_dir):
-    with pytest.raises(ValueError, match="unknown quantization method 'int3'; choose int8 or int4"):
+    with pytest.raises(ValueError, match="unknown quantization method 'int3'; choose int8, int4 or gguf"):
         LLM(str(llama_dir), quantization="int3")
+
+
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])
+def test_saved_quantized_checkpoint_reloads_to_identical_outputs(llama_dir, tmp_path, method, group):
+    from llmaccel.cli import main
+
+    out = tmp_path / f"tiny-{method}"
+    args = ["quantize", "--model", str(llama_dir), "--method", method, "--out", str(out)]
+    assert main(args + (["--group-size", str(group)] if group else [])) == 0
+    assert (out / "llmaccel_quantization.json").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "model.safetensors").stat().st_size < (llama_dir / "model.safetensors").stat().st_size
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The quick brown fox", "你好，世界"]
+    on_the_fly = LLM(str(llama_dir), quantization=method, quant_group_size=group).generate(prompts, params)
+    reloaded = LLM(str(out))
+    quantized = Int8Linear if method == "int8" else Int4Linear
+    assert sum(isinstance(m, quantized) for m in reloaded.engine.runner.model.modules()) == 8
+    assert [o.outputs[0].token_ids for o in reloaded.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in on_the_fly]
+    with pytest.raises(ValueError, match=f"already quantized to {method}"):
+        LLM(str(out), quantization="int8" if method == "int4" else "int4")
+
+
+def test_quantize_command_errors_are_clear(llama_dir, tmp_path, capsys):
+    from llmaccel.cli import main
+
+    assert main(["quantize", "--model", str(llama_dir), "--method", "int3", "--out", str(tmp_path / "a")]) == 2
+    assert main(["quantize", "--model", str(llama_dir), "--method", "int4", "--group-size", "128",
+                 "--out", str(tmp_path / "b")]) == 2
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("x")
+    assert main(["quantize", "--model", str(llama_dir), "--method", "int8", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown quantization method 'int3'" in err
+    assert "INT4 group size 128 does not divide the 64 input features of model.layers.0." in err
+    assert "exists and is not empty" in err

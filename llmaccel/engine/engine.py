@@ -17,6 +17,7 @@ from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmaccel.quantization.checkpoint import load_prequantized
 from llmaccel.runner import ModelRunner
 from llmaccel.sampling_params import SamplingParams
 
@@ -95,12 +96,18 @@ class LLMEngine:
             limits.append(self.spec.sliding_window)
         self.max_model_len = min(limits)
         self.num_blocks = num_blocks
-        quantization, native = config.model.quantization, None
-        if quantization == "gguf":
-            native, quantization = gguf_native_weights(config.model.model, checkpoint.hf_dir), None
+        quantization, ready = config.model.quantization, None
+        saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
+        if saved is not None:
+            if quantization not in (None, saved[0]):
+                raise ValueError(f"{config.model.model} is already quantized to {saved[0]}; drop --quantization "
+                                 f"{quantization}")
+            quantization, ready = None, saved[1]
+        elif quantization == "gguf":
+            quantization, ready = None, gguf_native_weights(config.model.model, checkpoint.hf_dir)
         model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
                                  max_positions=self.max_model_len, use_kernel=use_kernel, quantization=quantization,
-                                 group_size=config.model.quant_group_size, native_int4=native)
+                                 group_size=config.model.quant_group_size, prequantized=ready)
         del checkpoint
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)

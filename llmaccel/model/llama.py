@@ -16,8 +16,8 @@ from llmaccel.model.gguf_native import concat_int4
 from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
-from llmaccel.ops.quant_linear import Int4Linear
-from llmaccel.quantization.formats import Int4Weight
+from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
+from llmaccel.quantization.formats import Int4Weight, Int8Weight
 
 
 class DecoderLayer(nn.Module):
@@ -48,17 +48,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernel: bool | None = None,
                  quantization: str | None = None, group_size: int | None = None,
-                 native_int4: Mapping[str, Int4Weight] | None = None) -> None:
+                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None) -> None:
         """`quantization` (int8 / int4) applies to every decoder linear layer; the embedding and the LM
-        head stay in `dtype` (mixed precision, as weight-only schemes recommend). `native_int4` gives
-        ready INT4 weights by tensor name (a GGUF file's own), used as they are where present."""
+        head stay in `dtype` (mixed precision, as weight-only schemes recommend). `prequantized` gives
+        ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved quantized checkpoint's),
+        used as they are where present."""
         super().__init__()
         self.spec = spec
         take = _WeightTaker(weights, dtype, device)
 
         def linear(names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
-            if native_int4 and all(n in native_int4 for n in names):
-                return Int4Linear(concat_int4([native_int4[n] for n in names]), bias, device)
+            if prequantized and all(n in prequantized for n in names):
+                parts = [prequantized[n] for n in names]
+                if isinstance(parts[0], Int8Weight):
+                    fused = Int8Weight(torch.cat([w.q for w in parts]), torch.cat([w.scale for w in parts]))
+                    return Int8Linear(fused, bias, device)
+                return Int4Linear(concat_int4(parts), bias, device)
             return build_linear(take.cat(names), bias, quantization, group_size, name)
 
         self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)

@@ -109,6 +109,15 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
 ]
 
 
+def _add_module_command(subparsers, name: str, module_path: str, help_text: str, add_args: str = "add_arguments",
+                        run: str = "run") -> None:
+    """A subcommand whose flags and behaviour live in a module's add-arguments and run functions."""
+    module = importlib.import_module(module_path)
+    sub = subparsers.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    getattr(module, add_args)(sub)
+    sub.set_defaults(func=getattr(module, run))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmaccel", description="LLM inference accelerator")
     parser.add_argument("--log-level", default="INFO", help="llmaccel's log level: DEBUG, INFO, WARNING or ERROR")
@@ -139,29 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(gen)
     gen.set_defaults(func=_generate)
 
-    from llmaccel.quantization import checkpoint
-
-    quantize = commands.add_parser("quantize", help="write a weight-only INT8/INT4 checkpoint that --model loads",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    checkpoint.add_arguments(quantize)
-    quantize.set_defaults(func=checkpoint.run)
-
+    _add_module_command(commands, "quantize", "llmaccel.quantization.checkpoint",
+                        "write a weight-only INT8/INT4 checkpoint that --model loads")
     evaluate = commands.add_parser("eval", help="quality evaluations")
     eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
-    from llmaccel.quantization import perplexity
-
-    ppl = eval_commands.add_parser("ppl", help="sliding-window perplexity of a model or its quantized variants",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    perplexity.add_arguments(ppl)
-    ppl.set_defaults(func=perplexity.run)
-
+    _add_module_command(eval_commands, "ppl", "llmaccel.quantization.perplexity",
+                        "sliding-window perplexity of a model or its quantized variants")
     bench = commands.add_parser("bench", help="benchmarks: serving load tests, comparisons, offline throughput")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, module_name, help_text, add_args, run in _BENCH_COMMANDS:
-        module = importlib.import_module(f"llmaccel.bench.{module_name}")
-        sub = bench_commands.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        getattr(module, add_args)(sub)
-        sub.set_defaults(func=getattr(module, run))
+        _add_module_command(bench_commands, name, f"llmaccel.bench.{module_name}", help_text, add_args, run)
     return parser
 
 

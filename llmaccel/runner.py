@@ -60,7 +60,7 @@ class ModelRunner:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
             input_ids.extend(request.all_token_ids[start:start + count])
             positions.extend(range(start, start + count))
-            slots.extend(self._slots(request, start, start + count))
+            slots.extend(self._slots(request.block_ids, start, start + count))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_items.append(item)
@@ -79,11 +79,11 @@ class ModelRunner:
     def prompt_logprobs(self, token_ids: list[int], block_ids: list[int], chunk: int = 256) -> torch.Tensor:
         """log p(token[i] | token[:i]) for i = 1..n-1, from one prefill written into `block_ids`
         (which the caller lends from the pool). Logits are taken `chunk` rows at a time."""
-        n, bs, device = len(token_ids), self.block_size, self.device
-        slots = [block_ids[p // bs] * bs + p % bs for p in range(n)]
+        n, device = len(token_ids), self.device
+        slots = self._slots(block_ids, 0, n)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                                  num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None,
-                                 prefills=[PrefillSpan(0, n, n, None)], block_size=bs)
+                                 prefills=[PrefillSpan(0, n, n, None)], block_size=self.block_size)
         ids = torch.tensor(token_ids, device=device)
         hidden = self.model(ids, torch.arange(n, device=device), meta, self.kv_caches)
         pieces = []
@@ -93,9 +93,10 @@ class ModelRunner:
             pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
         return torch.cat(pieces) if pieces else torch.empty(0, device=device)
 
-    def _slots(self, request: Request, start: int, end: int) -> list[int]:
-        bs, blocks = self.block_size, request.block_ids
-        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """KV-pool slots of positions start..end-1 of a sequence whose block table is `block_ids`."""
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
                   slots: list[int]) -> AttentionMetadata:
@@ -114,7 +115,7 @@ class ModelRunner:
             context_len = start + item.num_new_tokens
             context_slots = None
             if start > 0:
-                context_slots = torch.tensor(self._slots(item.request, 0, context_len), device=device)
+                context_slots = torch.tensor(self._slots(item.request.block_ids, 0, context_len), device=device)
             spans.append(PrefillSpan(offset, item.num_new_tokens, context_len, context_slots))
             offset += item.num_new_tokens
         return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),

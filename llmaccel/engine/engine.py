@@ -14,6 +14,7 @@ from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
+from llmaccel.model.gguf_native import native_int4_weights
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -56,22 +57,6 @@ class _Group:
         return all(s.request.is_finished for s in self.samples)
 
 
-def gguf_native_weights(model: str, hf_dir) -> dict:
-    """The GGUF file's own 4-bit tensors (for --quantization gguf); a clear error for other models."""
-    import json
-
-    from llmaccel.model.gguf_native import gguf_int4_weights
-    from llmaccel.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
-    weights = gguf_int4_weights(path, json.loads((hf_dir / "config.json").read_text()))
-    if not weights:
-        raise ValueError(f"{path} has no Q4_0/Q4_1 tensors to use natively; use --quantization int8 or int4")
-    return weights
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
         self.config = config
@@ -104,7 +89,7 @@ class LLMEngine:
                                  f"{quantization}")
             quantization, ready = None, saved[1]
         elif quantization == "gguf":
-            quantization, ready = None, gguf_native_weights(config.model.model, checkpoint.hf_dir)
+            quantization, ready = None, native_int4_weights(config.model.model, self.spec)
         model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
                                  max_positions=self.max_model_len, use_kernel=use_kernel, quantization=quantization,
                                  group_size=config.model.quant_group_size, prequantized=ready)

@@ -15,9 +15,22 @@ import numpy as np
 import torch
 
 from llmaccel.model.gguf_convert import hf_tensor_name, unpermute_rows
+from llmaccel.model.loader import resolve_model_path
+from llmaccel.model.spec import ModelSpec
 from llmaccel.quantization.formats import Int4Weight, pack_int4
 
 GROUP = 32
+
+
+def native_int4_weights(model: str, spec: ModelSpec) -> dict[str, Int4Weight]:
+    """The GGUF model's own 4-bit tensors (for --quantization gguf); a clear error for other models."""
+    path = resolve_model_path(model)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
+    weights = gguf_int4_weights(path, {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads})
+    if not weights:
+        raise ValueError(f"{path} has no Q4_0/Q4_1 tensors to use natively; use --quantization int8 or int4")
+    return weights
 
 
 def gguf_int4_weights(path: Path, config: dict) -> dict[str, Int4Weight]:
@@ -44,9 +57,3 @@ def gguf_int4_weights(path: Path, config: dict) -> dict[str, Int4Weight]:
                                   torch.from_numpy(np.ascontiguousarray(d)),
                                   torch.from_numpy(np.ascontiguousarray(zero)), GROUP)
     return out
-
-
-def concat_int4(weights: list[Int4Weight]) -> Int4Weight:
-    """Stack weights along the output dimension (fused qkv / gate-up layers)."""
-    return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
-                      torch.cat([w.zero for w in weights]), weights[0].group_size)

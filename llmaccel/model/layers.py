@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.ops.cpu_linear import pack_weight, packed_linear
-from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
-from llmaccel.quantization.formats import METHODS, quantize_int4, quantize_int8
+from llmaccel.ops.quant_linear import quantized_linear
+from llmaccel.quantization.formats import quantize
 
 
 class RMSNorm(nn.Module):
@@ -102,17 +102,11 @@ class Linear(nn.Module):
 
 def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,
                  group_size: int | None, name: str) -> nn.Module:
-    """A dense Linear, or a weight-only INT8 / INT4 one holding only the quantized weight. An INT4
-    `group_size` of None takes the largest of 128, 64, 32 that divides this layer's inputs."""
+    """A dense Linear, or a weight-only INT8 / INT4 one holding only the quantized weight (an INT4
+    `group_size` of None takes the largest of 128, 64, 32 that divides this layer's inputs)."""
     if quantization is None:
         return Linear(weight, bias)
-    if quantization == "int8":
-        return Int8Linear(quantize_int8(weight), bias, weight.device)
-    if quantization == "int4":
-        if group_size is None:
-            group_size = next((g for g in (128, 64, 32) if weight.shape[1] % g == 0), 128)
-        return Int4Linear(quantize_int4(weight, group_size, name), bias, weight.device)
-    raise ValueError(f"unknown quantization method {quantization!r}; choose one of {', '.join(METHODS)}")
+    return quantized_linear(quantize(weight, quantization, group_size, name), bias, weight.device)
 
 
 class GatedMLP(nn.Module):

@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.model.gguf_native import concat_int4
 from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
-from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
-from llmaccel.quantization.formats import Int4Weight, Int8Weight
+from llmaccel.ops.quant_linear import quantized_linear
+from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights
 
 
 class DecoderLayer(nn.Module):
@@ -59,11 +58,7 @@ class LlamaForCausalLM(nn.Module):
 
         def linear(names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
             if prequantized and all(n in prequantized for n in names):
-                parts = [prequantized[n] for n in names]
-                if isinstance(parts[0], Int8Weight):
-                    fused = Int8Weight(torch.cat([w.q for w in parts]), torch.cat([w.scale for w in parts]))
-                    return Int8Linear(fused, bias, device)
-                return Int4Linear(concat_int4(parts), bias, device)
+                return quantized_linear(concat_weights([prequantized[n] for n in names]), bias, device)
             return build_linear(take.cat(names), bias, quantization, group_size, name)
 
         self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)

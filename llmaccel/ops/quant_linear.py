@@ -105,3 +105,10 @@ class Int4Linear(nn.Module):
         else:
             out = F.linear(x, self.weight.dequantize().to(x.dtype))
         return out if self.bias is None else out + self.bias
+
+
+def quantized_linear(weight: Int8Weight | Int4Weight, bias: torch.Tensor | None,
+                     device: torch.device) -> Int8Linear | Int4Linear:
+    """The layer that runs this quantized weight."""
+    layer = Int8Linear if isinstance(weight, Int8Weight) else Int4Linear
+    return layer(weight, bias, device)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from llmaccel.quantization.formats import Int4Weight, Int8Weight, check_group_size, quantize_int4, quantize_int8
+from llmaccel.quantization.formats import METHODS, Int4Weight, Int8Weight, check_group_size, quantize
 
 CONFIG_NAME = "llmaccel_quantization.json"
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Path, progress: bool = True) -> Path:
     from llmaccel.model.loader import hf_dir_for, load_weights
 
-    if method not in ("int8", "int4"):
-        raise ValueError(f"unknown quantization method {method!r}; choose int8 or int4")
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "int4" and group_size is not None:
         check_group_size(group_size, group_size)  # the value itself; each layer is checked below
     if out.exists() and any(out.iterdir()):
@@ -53,15 +53,13 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
             tensors[name] = tensor.contiguous()
             continue
         base = name.removesuffix(".weight")
-        if method == "int8":
-            q8 = quantize_int8(tensor)
-            tensors[base + ".qweight"], tensors[base + ".scales"] = q8.q, q8.scale
+        weight = quantize(tensor, method, group_size, base)
+        if isinstance(weight, Int8Weight):
+            tensors[base + ".qweight"], tensors[base + ".scales"] = weight.q, weight.scale
         else:
-            group = group_size or next((g for g in (128, 64, 32) if tensor.shape[1] % g == 0), 128)
-            q4 = quantize_int4(tensor, group, base)
-            tensors[base + ".qweight"], tensors[base + ".scales"] = q4.packed, q4.scale
-            tensors[base + ".zeros"] = q4.zero
-            groups[base] = group
+            tensors[base + ".qweight"], tensors[base + ".scales"] = weight.packed, weight.scale
+            tensors[base + ".zeros"] = weight.zero
+            groups[base] = weight.group_size
     out.mkdir(parents=True, exist_ok=True)
     for item in hf_dir.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and not item.name.endswith(".index.json"):
@@ -78,7 +76,7 @@ def load_prequantized(hf_dir: Path, weights: Mapping[str, torch.Tensor]) -> tupl
         return None
     config = json.loads(path.read_text())
     method = config.get("method")
-    if method not in ("int8", "int4"):
+    if method not in METHODS:
         raise ValueError(f"{path}: unknown method {method!r}")
     out: dict[str, Int8Weight | Int4Weight] = {}
     for name in weights:

@@ -59,6 +59,30 @@ def check_group_size(group_size: int, in_features: int, name: str = "a layer") -
                          f"{name}; choose one of {[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none'}")
 
 
+def default_group_size(in_features: int) -> int:
+    """The largest INT4 group size that divides a layer's inputs (128 if none does, which then fails
+    with a message listing the choices)."""
+    return next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if in_features % g == 0), max(INT4_GROUP_SIZES))
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int | None = None,
+             name: str = "a layer") -> Int8Weight | Int4Weight:
+    """Round-to-nearest quantization by method; an INT4 `group_size` of None means default_group_size."""
+    if method == "int8":
+        return quantize_int8(weight)
+    if method == "int4":
+        return quantize_int4(weight, group_size or default_group_size(weight.shape[1]), name)
+    raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def concat_weights(weights: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
+    """Stack same-format weights along the output dimension (fused qkv / gate-up layers)."""
+    if isinstance(weights[0], Int8Weight):
+        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
+                      torch.cat([w.zero for w in weights]), weights[0].group_size)
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Round to nearest, one symmetric scale per output channel."""
     w = weight.float()

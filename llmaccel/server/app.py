@@ -94,13 +94,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
 
     def serving() -> OpenAIServing:
         if state.draining:
-            state.metrics.rejected.labels(reason="unavailable").inc()
             raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down",
-                           headers={"Retry-After": "5"})
+                           headers={"Retry-After": "5"}, rejected="unavailable")
         if state.serving is None or not state.engine.is_alive:
-            state.metrics.rejected.labels(reason="unavailable").inc()
             raise APIError(503, "the model is still loading" if state.serving is None else "the engine is not running",
-                           "service_unavailable", code="not_ready", headers={"Retry-After": "5"})
+                           "service_unavailable", code="not_ready", headers={"Retry-After": "5"},
+                           rejected="unavailable")
         return state.serving
 
     def check_api_key(request: Request) -> None:
@@ -109,9 +108,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         header = request.headers.get("authorization", "")
         token = header[7:] if header[:7].lower() == "bearer " else ""
         if not hmac.compare_digest(token.encode(), config.api_key.encode()):
-            state.metrics.rejected.labels(reason="unauthorized").inc()
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", code="invalid_api_key")
+                           "invalid_request_error", code="invalid_api_key", rejected="unauthorized")
 
     def model_for(requested: str | None) -> str:
         if requested is None:
@@ -165,18 +163,16 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
     try:
         job = serving.submit(body, model)
     except EngineOverloadedError as exc:
-        state.metrics.rejected.labels(reason="queue_full").inc()
-        raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+                       rejected="queue_full") from None
     except EngineDeadError as exc:
-        state.metrics.rejected.labels(reason="unavailable").inc()
-        raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable") from None
+        raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable",
+                       rejected="unavailable") from None
     except PromptTooLongError as exc:
-        state.metrics.rejected.labels(reason="invalid_request").inc()
         raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
-                       code="context_length_exceeded") from None
+                       code="context_length_exceeded", rejected="invalid_request") from None
     except ValueError as exc:
-        state.metrics.rejected.labels(reason="invalid_request").inc()
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), rejected="invalid_request") from None
     if body.stream:
         return _SSEResponse(serving.stream(job), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -192,8 +188,9 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
     try:
         response = task.result()
     except (RequestTimeoutError, EngineDeadError) as exc:
-        status = 504 if isinstance(exc, RequestTimeoutError) else 503
-        return JSONResponse(p.ErrorResponse(error=error_info(exc)).model_dump(), status_code=status)
+        info = error_info(exc)
+        raise APIError(504 if isinstance(exc, RequestTimeoutError) else 503, info.message, info.type,
+                       code=info.code) from None
     return JSONResponse(response.model_dump())
 
 
@@ -242,13 +239,14 @@ class _CountRequests:
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.rejected is not None:
+            state.metrics.rejected.labels(reason=exc.rejected).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        state.metrics.rejected.labels(reason="invalid_request").inc()
         message, param = validation_error_message(exc.errors())
-        return APIError(400, message, param=param).response()
+        return await api_error(request, APIError(400, message, param=param, rejected="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -11,12 +11,17 @@ from llmaccel.server.protocol import ErrorInfo, ErrorResponse
 
 
 class APIError(Exception):
+    """An error answer. `rejected` names the reason when the request was refused before generation
+    (counted once, in the app's handler, as llmaccel_rejected_requests_total{reason})."""
+
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+                 code: str | None = None, headers: Mapping[str, str] | None = None,
+                 rejected: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = dict(headers or {})
+        self.rejected = rejected
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,

@@ -4,11 +4,11 @@ llmaccel server (counts, JSON fields, failures kept with their errors)."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from llmaccel.bench import datasets
+from llmaccel.bench.compare import free_port
 from llmaccel.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from llmaccel.cli import main
 from tests.live_server import live_server
@@ -118,9 +118,7 @@ def test_refused_requests_are_counted_with_their_errors(server, llama_dir, tmp_p
 
 
 def test_an_unreachable_server_still_ends_with_a_report(llama_dir, tmp_path, capsys):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # nothing listens here once the socket closes
+    port = free_port()  # nothing listens here
     res = run_bench(f"http://127.0.0.1:{port}", llama_dir, tmp_path, "--model", "tiny", "--num-prompts", "3")
     assert res["failed"] == 3 and all(e.startswith("ConnectError") for e in res["errors"])
     assert "Errors" in capsys.readouterr().out

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,34 +14,18 @@ import httpx
 import openai
 import pytest
 
+from llmaccel.bench import compare
+from llmaccel.bench.compare import free_port
 from llmaccel.cli import main
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
 from tests.live_server import MODEL_NAME, live_server
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(args: list[str], log: Path, timeout: float = 240) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmaccel.cli", "serve", "--port", str(port), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start:\n{log.read_text()}")
-        time.sleep(0.2)
+    return compare.start_server([sys.executable, "-m", "llmaccel.cli", "serve", *args], port, log,
+                                timeout), f"http://127.0.0.1:{port}"
 
 
 def test_sigterm_drains_in_flight_requests(llama_dir, tmp_path):

@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
+
+from llmaccel.bench.compare import free_port, start_server
 
 OFFLINE = """
 import sys, time
@@ -71,22 +74,11 @@ def main() -> int:
     from llmaccel.bench.datasets import builtin_prompts
 
     prompts = [p.prompt for p in builtin_prompts()[:args.num_prompts]]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "llmaccel.cli", "serve", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server([sys.executable, "-m", "llmaccel.cli", "serve"], port,
+                          Path(tempfile.mkdtemp(prefix="served-vs-offline-")) / "serve.log")
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
         rows = []
         for _ in range(args.repeat):  # the server idles while offline runs, and the other way round
             streamed = asyncio.run(served(url, prompts, args.output_len, stream=True))

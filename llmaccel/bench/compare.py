@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -63,7 +64,8 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def _start(command: list[str], port: int, log: Path, timeout: float = 900) -> subprocess.Popen:
+def start_server(command: list[str], port: int, log: Path, timeout: float = 900) -> subprocess.Popen:
+    """Start `command --port PORT` with its output in `log`; return once /health answers 200."""
     proc = subprocess.Popen(command + ["--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -107,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
     servers.append(("llmaccel", [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model,
                                  *args.serve_args.split()]))
     for label, command in servers:
-        port = _free_port()
+        port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
-        proc = _start(command, port, logs / f"{label}.log")
+        proc = start_server(command, port, logs / f"{label}.log")
         try:
             figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer)
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)

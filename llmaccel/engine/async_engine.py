@@ -180,9 +180,12 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream._put(output)
+            self._deliver_to(output.request_id, output)
+
+    def _deliver_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:  # None: the request was aborted meanwhile
+            stream._put(item)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
@@ -240,15 +243,10 @@ class AsyncEngine:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                         command.arrival_time)
             except Exception as exc:  # validated already; deliver anything unexpected to its stream
-                self._loop.call_soon_threadsafe(self._deliver_error, command.request_id, exc)
+                self._loop.call_soon_threadsafe(self._deliver_to, command.request_id, exc)
             finally:
                 with self._cond:
                     self._pending_adds -= command.params.n
-
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream._put(error)
 
     def _gather_arrivals(self, deadline: float) -> None:
         """Dynamic batching: wait for more arrivals until max_num_seqs wait or the deadline passes."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from llmaccel.bench import datasets
+from llmaccel.bench.serve import add_arguments as add_serve_arguments
 from llmaccel.bench.serve import run_benchmark, tokenizer_for
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -82,20 +83,18 @@ def start_server(command: list[str], port: int, log: Path, timeout: float = 900)
 
 
 def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None) -> dict:
-    def bench_args(**kw) -> argparse.Namespace:
-        base = dict(base_url=url, model=None, endpoint="chat", api_key=None, seed=0, label=label, timeout=3600.0,
-                    burstiness=1.0, temperature=0.0, ignore_eos=True, goodput=None, percentiles="50,90,99",
-                    dataset="builtin", extra_body=extra_body)
-        return argparse.Namespace(**{**base, **kw})
-
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)  # bench serve's own defaults, so both commands measure alike
+    bench = parser.parse_args(["--base-url", url, "--label", label, "--ignore-eos", "--timeout", "3600"])
+    bench.extra_body = extra_body
     single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
     warm = datasets.SampleRequest("Hello!", 0, 8)
     progress = not args.no_progress
-    asyncio.run(run_benchmark(bench_args(), [warm], tokenizer, float("inf"), 1, progress=False))
-    single = asyncio.run(run_benchmark(bench_args(), [single_prompt] * args.single_repeat, tokenizer, float("inf"), 1,
+    asyncio.run(run_benchmark(bench, [warm], tokenizer, float("inf"), 1, progress=False))
+    single = asyncio.run(run_benchmark(bench, [single_prompt] * args.single_repeat, tokenizer, float("inf"), 1,
                                        progress=progress))
     burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
-    loaded = asyncio.run(run_benchmark(bench_args(), burst, tokenizer, float("inf"), args.concurrency,
+    loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
                                        progress=progress))
     return {"label": label, "single": single, "concurrent": loaded}
 

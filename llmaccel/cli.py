@@ -15,9 +15,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"),
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
-                             "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1 tensors, used without requantizing")
+                             "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1/Q8_0 tensors, used without requantizing")
     parser.add_argument("--quant-group-size", type=int,
                         help="INT4 group size: 32, 64 or 128 (default: the largest that divides each layer)")
+    parser.add_argument("--quantize-embedding", action="store_true",
+                        help="hold the embedding and LM head in INT8 too, one copy when tied (with --quantization "
+                             "gguf: the file's own Q8_0 table); saves most of a small model's remaining float weights")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -29,7 +32,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
-                   quant_group_size=args.quant_group_size, kv_cache_memory=args.kv_cache_memory,
+                   quant_group_size=args.quant_group_size,
+                   quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

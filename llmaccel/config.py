@@ -51,8 +51,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on the CPU (no bf16 hardware here), bfloat16 on CUDA
     seed: int = 0
     quantization: str | None = None  # weight-only "int8" / "int4" for the decoder's linear layers, or "gguf":
-    # a GGUF file's own Q4_0/Q4_1 tensors as INT4, with no requantization
+    # a GGUF file's own Q4_0/Q4_1/Q8_0 tensors as INT4/INT8, with no requantization
     quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: the largest dividing each layer
+    quantize_embedding: bool = False  # hold the embedding and LM head in INT8 too (one copy when tied);
+    # with "gguf", the file's own Q8_0 table
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -139,6 +141,7 @@ class ServerConfig:
     max_batch_delay_ms: float = 0.0  # an idle engine waits this long for more arrivals before a step
     step_warn_s: float = 10.0  # the watchdog logs engine steps slower than this
     graceful_shutdown_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    quality_check_interval_s: float | None = None  # re-measure validation perplexity this often; None: never
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -151,5 +154,7 @@ class ServerConfig:
             raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms}")
         if self.step_warn_s <= 0 or self.graceful_shutdown_s < 0:
             raise ValueError("step_warn_s must be > 0 and graceful_shutdown_s >= 0")
+        if self.quality_check_interval_s is not None and self.quality_check_interval_s <= 0:
+            raise ValueError(f"quality_check_interval_s must be > 0, got {self.quality_check_interval_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")

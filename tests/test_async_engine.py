@@ -10,7 +10,7 @@ import time
 import pytest
 
 from llmaccel.config import EngineConfig
-from llmaccel.engine.async_engine import AsyncEngine
+from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError
 from llmaccel.sampling_params import SamplingParams
@@ -193,3 +193,32 @@ def test_shutdown_aborts_what_is_left_and_frees_every_block(engine):
 
     run(go, engine)
     assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.num_blocks
+
+
+def test_background_task_runs_between_steps_and_a_failing_one_does_not_stop_serving(engine):
+    """The quality watch's hook: it runs in the engine thread (never inside a step), repeatedly, and
+    an exception in it is logged while requests keep being served."""
+    import threading
+
+    calls = []
+
+    def task(e: LLMEngine) -> None:
+        calls.append((threading.current_thread().name, e.last_step, e.has_unfinished_requests()))
+        if len(calls) == 1:
+            raise RuntimeError("first check fails")
+
+    async def go(ae: AsyncEngine):
+        deadline = time.monotonic() + 30
+        while len(calls) < 3:
+            assert time.monotonic() < deadline, "the background task stopped running"
+            await asyncio.sleep(0.01)
+        return [t async for t in ae.add_request([5, 6, 7], GREEDY)][-1]
+
+    out = run(go, engine, background=BackgroundTask(0.01, task, "test task"))
+    assert len(out.outputs[0].token_ids) == 12
+    assert {name for name, _, _ in calls} == {"llmaccel-engine"}
+
+
+def test_background_task_interval_must_be_positive(engine):
+    with pytest.raises(ValueError, match="the quality check interval must be > 0 seconds"):
+        AsyncEngine(lambda: engine, background=BackgroundTask(0, lambda e: None, "quality check"))

@@ -85,17 +85,43 @@ def test_unpermuted_q_matches_hf_rotary_layout(tied_dir, tmp_path, tiny_tokenize
     assert torch.equal(torch.from_numpy(converted[name]), torch.from_numpy(source[name]))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
-def test_native_int4_load_equals_the_gguf_packages_dequantized_values(tied_dir, tmp_path, tiny_tokenizer, qtype):
-    from llmaccel.model.gguf_native import gguf_int4_weights
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0])
+def test_native_load_equals_the_gguf_packages_dequantized_values(tied_dir, tmp_path, tiny_tokenizer, qtype):
+    from llmaccel.model.gguf_native import gguf_quantized_weights
+    from llmaccel.quantization.formats import Int4Weight, Int8Weight
 
     path = _write(tied_dir, tmp_path, qtype, tiny_tokenizer)
     converted = load_file(str(hf_dir_for(str(path)) / "model.safetensors"))  # via gguf.quants.dequantize
-    native = gguf_int4_weights(path, json.loads((tied_dir / "config.json").read_text()))
-    assert len(native) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    native = gguf_quantized_weights(path, json.loads((tied_dir / "config.json").read_text()))
+    assert len(native) == 2 * 7 + 1  # q, k, v, o, gate, up, down in each of 2 layers, and the embedding
     for name, weight in native.items():
+        assert isinstance(weight, Int8Weight if qtype == Q.Q8_0 else Int4Weight)
         assert weight.group_size == 32
         assert np.array_equal(weight.dequantize().numpy(), converted[name]), name
+
+
+def test_gguf_q8_0_runs_natively_with_its_own_embedding_table(tied_dir, tmp_path, tiny_tokenizer, monkeypatch):
+    """A Q8_0 file runs on grouped INT8 layers; with --quantize-embedding the Q8_0 embedding is also
+    the tied LM head (one module). Through the float fallback (the kernel's bf16 activations aside,
+    covered in test_quantization) it scores text exactly as the dense, dequantized model does."""
+    from llmaccel.ops import quant_linear
+    from llmaccel.ops.quant_linear import Int8Linear
+
+    monkeypatch.setattr(quant_linear, "int8_kernel_available", lambda: False)
+
+    path = _write(tied_dir, tmp_path, Q.Q8_0, tiny_tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown fox", "你好"]
+    llm = LLM(str(path), quantization="gguf", quantize_embedding=True)
+    model = llm.engine.runner.model
+    assert model.lm_head is model.embedding and isinstance(model.embedding, Int8Linear)
+    assert model.embedding.group_size == 32
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1
+    batched = llm.generate(prompts, params)
+    assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界", add_special_tokens=False)
+    native, dense = torch.tensor(llm.engine.score(ids)), torch.tensor(LLM(str(path)).engine.score(ids))
+    assert (native - dense).abs().max() < 1e-4
 
 
 def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, tiny_tokenizer):

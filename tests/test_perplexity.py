@@ -95,3 +95,17 @@ def test_eval_ppl_cli_prints_a_table(llama_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| variant | ppl corpus.txt | vs int4 corpus.txt | weight MiB |" in out
     assert "| int4 | " in out
+
+
+def test_eval_ppl_compare_runs_the_chosen_variants_against_fp32(llama_dir, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    args = ["eval", "ppl", "--model", str(llama_dir), "--corpus", str(corpus), "--max-tokens", "120", "--ctx", "48",
+            "--stride", "24", "--no-progress", "--compare", "--no-speed"]
+    assert main(args + ["--variants", "int8+emb8,int4-g32+emb8"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in lines] == ["| variant", "| fp32", "| int8+emb8", "| int4-g32+emb8"]
+    fp32, int8, int4 = (int(line.split(" | ")[-1].rstrip(" |%")) for line in lines[1:])  # weight change vs fp32
+    assert int4 < int8 < fp32 == 0
+    assert main(args + ["--variants", "int3"]) == 2
+    assert "unknown variant(s) int3; choose from fp32, int8, int8+emb8" in capsys.readouterr().err

@@ -8,7 +8,8 @@ import torch
 
 from llmaccel.llm import LLM
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, int4_kernel_available, int8_kernel_available
-from llmaccel.quantization.formats import pack_int4, quantize_int4, quantize_int8, unpack_int4
+from llmaccel.quantization.formats import Int8Weight, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from llmaccel.quantization.perplexity import weight_bytes
 from llmaccel.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -59,6 +60,33 @@ def test_int8_linear_matches_its_dequantized_reference(use_kernel):
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
+def test_grouped_int8_linear_matches_its_dequantized_reference(use_kernel):
+    """GGUF Q8_0's layout: one scale per 32 inputs."""
+    if use_kernel and not int8_kernel_available():
+        pytest.skip("no int8 weight-only kernel in this torch build")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (80, 128), dtype=torch.int8, generator=g)
+    weight = Int8Weight(q, torch.rand(80, 4, generator=g) / 100 + 1e-3, 32)
+    x = torch.randn(5, 128, generator=g)
+    layer = Int8Linear(weight, None, CPU, use_kernel=use_kernel)
+    want = x @ weight.dequantize().t()
+    tolerance = 1e-2 * want.abs().max() if use_kernel else 1e-4
+    assert (layer(x) - want).abs().max() <= tolerance
+    assert layer.weight_bytes == 80 * 128 + 80 * 4 * 4
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_rows_are_the_dequantized_rows(group):
+    """The embedding lookup on an INT8 table reads exactly the dequantized rows."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (50, 64), dtype=torch.int8, generator=g)
+    scale = torch.rand(50, generator=g) if group is None else torch.rand(50, 2, generator=g)
+    weight = Int8Weight(q, scale, group)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(Int8Linear(weight, None, CPU).rows(ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_linear_matches_its_dequantized_reference(use_kernel, group):
     if use_kernel and not int4_kernel_available():
@@ -96,21 +124,44 @@ def test_unknown_method_is_a_clear_error(llama_dir):
         LLM(str(llama_dir), quantization="int3")
 
 
-@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])
-def test_saved_quantized_checkpoint_reloads_to_identical_outputs(llama_dir, tmp_path, method, group):
+@pytest.mark.parametrize("name", ["llama-tied", "llama-gqa"])
+def test_quantized_embedding_is_int8_and_tied_tables_are_one_copy(tiny_model_dirs, name):
+    model_dir = tiny_model_dirs[name]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The quick brown fox", "你好，世界", "A paged KV cache"]
+    plain = LLM(str(model_dir), quantization="int4", quant_group_size=32)
+    llm = LLM(str(model_dir), quantization="int4", quant_group_size=32, quantize_embedding=True)
+    model = llm.engine.runner.model
+    assert isinstance(model.embedding, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+    assert (model.lm_head is model.embedding) == (name == "llama-tied")
+    vocab, hidden = model.embedding.out_features, model.embedding.in_features
+    saved = (vocab * hidden * 4 - (vocab * hidden + vocab * 4)) * (1 if name == "llama-tied" else 2)
+    if name == "llama-tied":
+        saved += vocab * hidden * 4  # the float model also keeps a packed copy for its LM head
+    assert weight_bytes(plain.engine.runner.model) - weight_bytes(model) == saved
+    batched = llm.generate(prompts, params)
+    assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method,group,embedding", [("int8", None, False), ("int4", 32, False), ("int4", 32, True)])
+def test_saved_quantized_checkpoint_reloads_to_identical_outputs(llama_dir, tmp_path, method, group, embedding):
     from llmaccel.cli import main
 
     out = tmp_path / f"tiny-{method}"
     args = ["quantize", "--model", str(llama_dir), "--method", method, "--out", str(out)]
-    assert main(args + (["--group-size", str(group)] if group else [])) == 0
+    args += (["--group-size", str(group)] if group else []) + (["--quantize-embedding"] if embedding else [])
+    assert main(args) == 0
     assert (out / "llmaccel_quantization.json").is_file() and (out / "tokenizer.json").is_file()
     assert (out / "model.safetensors").stat().st_size < (llama_dir / "model.safetensors").stat().st_size
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["The quick brown fox", "你好，世界"]
-    on_the_fly = LLM(str(llama_dir), quantization=method, quant_group_size=group).generate(prompts, params)
+    on_the_fly = LLM(str(llama_dir), quantization=method, quant_group_size=group,
+                     quantize_embedding=embedding).generate(prompts, params)
     reloaded = LLM(str(out))
+    model = reloaded.engine.runner.model
     quantized = Int8Linear if method == "int8" else Int4Linear
-    assert sum(isinstance(m, quantized) for m in reloaded.engine.runner.model.modules()) == 8
+    assert sum(isinstance(m, quantized) for m in model.layers.modules()) == 8
+    assert isinstance(model.embedding, Int8Linear) == embedding and isinstance(model.lm_head, Int8Linear) == embedding
     assert [o.outputs[0].token_ids for o in reloaded.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in on_the_fly]
     with pytest.raises(ValueError, match=f"already quantized to {method}"):

@@ -12,7 +12,9 @@ runs. After each step the thread hands every changed output to the event loop in
 A stream that is closed before its request finished (the client went away) or that passes its
 deadline aborts the request. With `max_batch_delay_s`, an idle engine waits for more arrivals
 before its first step (until `max_num_seqs` are waiting or the delay passes), as a dynamic batcher
-does. A watchdog thread logs any step that runs longer than `step_warn_s`.
+does. A watchdog thread logs any step that runs longer than `step_warn_s`. A BackgroundTask (the
+quality watch) runs in the engine thread between steps, at low priority: when due and the engine is
+idle, or one interval late at most if it never idles.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from llmaccel.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[StepStats, float, int], None]  # (what ran, seconds it took, preemptions so far)
+
+
+@dataclass(frozen=True)
+class BackgroundTask:
+    """Low-priority work for the engine thread, every `interval_s` (see the module docstring).
+    An exception is logged and the task tried again next interval; serving carries on."""
+
+    interval_s: float
+    run: Callable[[LLMEngine], None]
+    name: str = "background task"
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,13 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_batch_delay_s: float = 0.0,
                  step_warn_s: float = 10.0, max_waiting_requests: int | None = None,
-                 on_step: StepObserver | None = None) -> None:
+                 on_step: StepObserver | None = None, background: BackgroundTask | None = None) -> None:
         if max_batch_delay_s < 0 or step_warn_s <= 0:
             raise ValueError("max_batch_delay_s must be >= 0 and step_warn_s > 0")
+        if background is not None and background.interval_s <= 0:
+            raise ValueError(f"the {background.name} interval must be > 0 seconds, got {background.interval_s}")
+        self.background = background
+        self._background_due = 0.0  # monotonic time; 0: at the first chance
         self._engine_factory = engine_factory
         self.engine: LLMEngine | None = None  # built by start(), in the engine thread
         self.max_batch_delay_s = max_batch_delay_s
@@ -203,14 +219,16 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or engine.has_unfinished_requests() or self._stopping):
-                        self._cond.wait()
+                    while not (self._commands or engine.has_unfinished_requests() or self._stopping
+                               or self._background_wait() == 0):
+                        self._cond.wait(self._background_wait())
                     if self._stopping:
                         break
                     idle = not engine.has_unfinished_requests()
                 self._apply_commands()
                 if idle and self.max_batch_delay_s > 0:
                     self._gather_arrivals(time.monotonic() + self.max_batch_delay_s)
+                self._run_background(idle=not engine.has_unfinished_requests())
                 if not engine.has_unfinished_requests():
                     continue
                 self._step_started = time.monotonic()
@@ -247,6 +265,22 @@ class AsyncEngine:
             finally:
                 with self._cond:
                     self._pending_adds -= command.params.n
+
+    def _background_wait(self) -> float | None:
+        """Seconds until the background task is due (0 if it is), None if there is none."""
+        if self.background is None:
+            return None
+        return max(0.0, self._background_due - time.monotonic())
+
+    def _run_background(self, idle: bool) -> None:
+        task, now = self.background, time.monotonic()
+        if task is None or now < self._background_due or (not idle and now < self._background_due + task.interval_s):
+            return
+        try:
+            task.run(self.engine)
+        except Exception:
+            logger.exception("%s failed; retrying in %.0f s", task.name, task.interval_s)
+        self._background_due = time.monotonic() + task.interval_s
 
     def _gather_arrivals(self, deadline: float) -> None:
         """Dynamic batching: wait for more arrivals until max_num_seqs wait or the deadline passes."""

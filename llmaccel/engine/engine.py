@@ -14,7 +14,7 @@ from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
-from llmaccel.model.gguf_native import native_int4_weights
+from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -89,10 +89,11 @@ class LLMEngine:
                                  f"{quantization}")
             quantization, ready = None, saved[1]
         elif quantization == "gguf":
-            quantization, ready = None, native_int4_weights(config.model.model, self.spec)
+            quantization, ready = None, native_weights(config.model.model, self.spec, config.model.quantize_embedding)
         model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
                                  max_positions=self.max_model_len, use_kernel=use_kernel, quantization=quantization,
-                                 group_size=config.model.quant_group_size, prequantized=ready)
+                                 group_size=config.model.quant_group_size, prequantized=ready,
+                                 quantize_embedding=config.model.quantize_embedding)
         del checkpoint
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)

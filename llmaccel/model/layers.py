@@ -78,6 +78,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Embedding(nn.Module):
+    """A float embedding table. `rows(ids)` is the lookup, as on the INT8 table (ops/quant_linear.Int8Linear)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). On the CPU the weight is pre-packed for oneDNN (see ops/cpu_linear.py);
     the quantization issue swaps this module for packed-integer variants."""

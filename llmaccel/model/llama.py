@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
+from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.quant_linear import quantized_linear
-from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights
+from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
 
 
 class DecoderLayer(nn.Module):
@@ -47,21 +46,33 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernel: bool | None = None,
                  quantization: str | None = None, group_size: int | None = None,
-                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None) -> None:
-        """`quantization` (int8 / int4) applies to every decoder linear layer; the embedding and the LM
-        head stay in `dtype` (mixed precision, as weight-only schemes recommend). `prequantized` gives
-        ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved quantized checkpoint's),
-        used as they are where present."""
+                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None,
+                 quantize_embedding: bool = False) -> None:
+        """`quantization` (int8 / int4) applies to every decoder linear layer. The embedding and the LM
+        head stay in `dtype` (mixed precision, as weight-only schemes recommend) unless
+        `quantize_embedding`: then they are INT8 per row, and a tied pair shares one INT8 copy.
+        `prequantized` gives ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved
+        quantized checkpoint's), used as they are where present."""
         super().__init__()
         self.spec = spec
         take = _WeightTaker(weights, dtype, device)
+        prequantized = prequantized or {}
 
         def linear(names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
-            if prequantized and all(n in prequantized for n in names):
-                return quantized_linear(concat_weights([prequantized[n] for n in names]), bias, device)
+            ready = [prequantized.get(n) for n in names]
+            if all(w is not None for w in ready) and same_format(ready):
+                return quantized_linear(concat_weights(ready), bias, device)
             return build_linear(take.cat(names), bias, quantization, group_size, name)
 
-        self.embed = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
+        def int8_table(name: str) -> nn.Module:
+            ready = prequantized.get(name)
+            return quantized_linear(ready if isinstance(ready, Int8Weight) else quantize_int8(take(name)), None, device)
+
+        tied = spec.tie_word_embeddings or not ("lm_head.weight" in weights or "lm_head.weight" in prequantized)
+        if quantize_embedding or "model.embed_tokens.weight" in prequantized:
+            self.embedding = int8_table("model.embed_tokens.weight")
+        else:
+            self.embedding = Embedding(take("model.embed_tokens.weight"))
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -83,8 +94,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
-        tied = spec.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed.data if tied else take("lm_head.weight"))
+        if isinstance(self.embedding, Embedding):
+            self.lm_head = Linear(self.embedding.weight.data if tied else take("lm_head.weight"))
+        else:
+            self.lm_head = self.embedding if tied else int8_table("lm_head.weight")
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
                                       dtype).to(device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
@@ -92,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embedding.rows(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rotary, self.attention, kv_cache, meta)
         return self.norm(hidden)

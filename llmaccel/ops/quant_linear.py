@@ -53,27 +53,58 @@ def int4_kernel_available() -> bool:
 
 
 class Int8Linear(nn.Module):
+    """INT8 weights, per output channel or grouped (GGUF Q8_0). The same matrix also serves as a
+    quantized embedding table: `rows(ids)` dequantizes only the rows a lookup reads, so a tied
+    embedding and LM head share one INT8 copy."""
+
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, device: torch.device,
                  use_kernel: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
-        self.q = weight.q.to(device)
-        self.scale = weight.scale.to(device)
+        self.group_size = weight.group_size
         self.bias = bias
         self.use_kernel = (device.type == "cpu" and int8_kernel_available()) if use_kernel is None else use_kernel
+        self.scale = weight.scale.to(device)
         self.scale_bf16 = self.scale.bfloat16()
+        if self.group_size is None:
+            self.q = weight.q.to(device)
+        else:  # [K / G, N, G]: each group's columns contiguous, one kernel call per group
+            n, k, g = self.out_features, self.in_features, self.group_size
+            self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
+            self.scale_groups = self.scale_bf16.t().contiguous()
 
     @property
     def weight_bytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.q.numel() + self.scale.numel() * 4 + bias
+        return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size() + bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized float32 rows `ids` of the weight: an embedding lookup."""
+        if self.group_size is None:
+            return self.q[ids].float() * self.scale[ids, None]
+        q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]
+        return q.permute(1, 0, 2).reshape(len(ids), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
+        if self.group_size is not None:
+            out = self._grouped(x)
+        elif self.use_kernel:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
         else:  # x @ (q * s)^T == (x @ q^T) * s
             out = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """sum over groups g of (x_g @ q_g^T) * s_g; the kernel takes one scale per row, so one call per group."""
+        num_groups = self.in_features // self.group_size
+        if not self.use_kernel:
+            weight = self.q_groups.to(x.dtype) * self.scale.t().to(x.dtype)[..., None]  # [K / G, N, G]
+            return F.linear(x, weight.permute(1, 0, 2).reshape(self.out_features, self.in_features))
+        x_groups = x.to(torch.bfloat16).view(-1, num_groups, self.group_size).transpose(0, 1).contiguous()
+        out = torch.zeros(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for g in range(num_groups):
+            out += torch._weight_int8pack_mm(x_groups[g], self.q_groups[g], self.scale_groups[g])
+        return out.to(x.dtype)
 
 
 class Int4Linear(nn.Module):

@@ -3,7 +3,9 @@
 The directory is an HF model directory (config.json, tokenizer files) whose model.safetensors holds
 each decoder linear weight as `<name>.qweight` (int8 [N, K], or uint8 [N, K/2] with two INT4 values
 per byte), `<name>.scales` and, for INT4, `<name>.zeros`; every other tensor stays as it was.
-`llmaccel_quantization.json` records the method and the group sizes.
+`llmaccel_quantization.json` records the method, the group sizes, the AWQ settings and the float
+model's perplexity on the quality-watch validation slice (the reference `serve
+--quality-check-interval` compares against).
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from llmaccel.quantization.formats import METHODS, Int4Weight, Int8Weight, check_group_size, quantize
+from llmaccel.quantization.formats import METHODS, Int4Weight, Int8Weight, check_group_size, quantize, quantize_int8
 
 CONFIG_NAME = "llmaccel_quantization.json"
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+EMBEDDING_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +35,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, help="int8 (per output channel) or int4 (group-wise)")
     parser.add_argument("--group-size", type=int, help="INT4 group size: 32, 64 or 128 (default: the largest that "
                                                        "divides each layer)")
+    parser.add_argument("--awq", action="store_true",
+                        help="activation-aware per-input-channel scales, searched on calibration data before "
+                             "rounding (default calibration: the built-in chat prompts)")
+    parser.add_argument("--calib", type=Path,
+                        help='AWQ calibration JSONL: one {"text": ...}, {"prompt": ...} or {"messages": [...]} '
+                             "per line")
+    parser.add_argument("--calib-samples", type=int, default=128,
+                        help="use the first this many calibration samples (each cut to 512 tokens)")
+    parser.add_argument("--quantize-embedding", action="store_true",
+                        help="store the embedding and LM head in INT8 per row too (one copy when tied)")
     parser.add_argument("--out", type=Path, required=True, help="directory to write (must not exist or be empty)")
 
 
-def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Path, progress: bool = True) -> Path:
+@dataclass(frozen=True)
+class AWQOptions:
+    calib: Path | None = None  # None: the built-in chat prompts
+    samples: int = 128
+
+
+def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Path, awq: AWQOptions | None = None,
+                        quantize_embedding: bool = False, progress: bool = True) -> Path:
+    from llmaccel.llm import LLM
     from llmaccel.model.loader import hf_dir_for, load_weights
+    from llmaccel.quantization.quality import validation_perplexity
 
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
@@ -44,16 +67,32 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; choose a new --out directory")
     hf_dir = hf_dir_for(model)
-    weights = load_weights(hf_dir)
+    float_model = LLM(model)  # the reference perplexity, and AWQ's calibration activations
+    reference = validation_perplexity(float_model.engine)
+    weights = {name: tensor.float() for name, tensor in load_weights(hf_dir).items()}
+    alphas = None
+    if awq is not None:
+        from llmaccel.quantization.awq import apply_awq, record_activations
+        from llmaccel.quantization.calibration import calibration_token_ids
+
+        samples = calibration_token_ids(float_model.tokenizer, awq.calib, awq.samples)
+        recorders = record_activations(float_model, samples, progress)
+        spec = float_model.engine.spec
+        alphas = apply_awq(weights, recorders, spec.num_layers, spec.num_heads, spec.num_kv_heads, method,
+                           group_size)
+    del float_model
     tensors: dict[str, torch.Tensor] = {}
     groups: dict[str, int] = {}
     for name in tqdm(list(weights), desc=f"quantizing to {method}", unit="tensor", disable=not progress):
-        tensor = weights[name].float()
-        if not LINEAR.fullmatch(name):
+        tensor = weights[name]
+        base = name.removesuffix(".weight")
+        if LINEAR.fullmatch(name):
+            weight = quantize(tensor, method, group_size, base)
+        elif quantize_embedding and name in EMBEDDING_TABLES:
+            weight = quantize_int8(tensor)
+        else:
             tensors[name] = tensor.contiguous()
             continue
-        base = name.removesuffix(".weight")
-        weight = quantize(tensor, method, group_size, base)
         if isinstance(weight, Int8Weight):
             tensors[base + ".qweight"], tensors[base + ".scales"] = weight.q, weight.scale
         else:
@@ -65,26 +104,38 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
         if item.is_file() and item.suffix != ".safetensors" and not item.name.endswith(".index.json"):
             shutil.copy2(item, out / item.name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps({"method": method, "group_sizes": groups, "source": model}, indent=1))
+    config = {"method": method, "group_sizes": groups, "embedding": "int8" if quantize_embedding else None,
+              "awq": None if awq is None else {"calib": str(awq.calib or "builtin"), "samples": awq.samples,
+                                               "alphas": alphas},
+              "reference_perplexity": reference, "source": model}
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=1))
     return out
 
 
-def load_prequantized(hf_dir: Path, weights: Mapping[str, torch.Tensor]) -> tuple[str, dict] | None:
-    """(method, {weight name: Int8Weight | Int4Weight}) for a directory written by quantize_checkpoint."""
+def read_quantization_config(hf_dir: Path) -> dict | None:
     path = hf_dir / CONFIG_NAME
-    if not path.is_file():
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_prequantized(hf_dir: Path, weights: Mapping[str, torch.Tensor]) -> tuple[str, dict] | None:
+    """(method, {weight name: Int8Weight | Int4Weight}) for a directory written by quantize_checkpoint.
+    A tensor with zeros is INT4; one without is INT8 (the embedding is INT8 even in an INT4 checkpoint)."""
+    config = read_quantization_config(hf_dir)
+    if config is None:
         return None
-    config = json.loads(path.read_text())
     method = config.get("method")
     if method not in METHODS:
-        raise ValueError(f"{path}: unknown method {method!r}")
+        raise ValueError(f"{hf_dir / CONFIG_NAME}: unknown method {method!r}")
     out: dict[str, Int8Weight | Int4Weight] = {}
-    for name in weights:
+    names = set(weights)
+    for name in names:
         if not name.endswith(".qweight"):
             continue
         base = name.removesuffix(".qweight")
-        if method == "int8":
-            out[base + ".weight"] = Int8Weight(weights[name], weights[base + ".scales"].float())
+        if base + ".zeros" not in names:
+            q, scale = weights[name], weights[base + ".scales"].float()
+            group = None if scale.dim() == 1 else q.shape[1] // scale.shape[1]
+            out[base + ".weight"] = Int8Weight(q, scale, group)
         else:
             out[base + ".weight"] = Int4Weight(weights[name], weights[base + ".scales"].float(),
                                                weights[base + ".zeros"].float(), int(config["group_sizes"][base]))
@@ -92,6 +143,9 @@ def load_prequantized(hf_dir: Path, weights: Mapping[str, torch.Tensor]) -> tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    out = quantize_checkpoint(args.model, args.method, args.group_size, args.out)
+    if (args.calib is not None or args.calib_samples != 128) and not args.awq:
+        raise ValueError("--calib and --calib-samples choose AWQ's calibration data; add --awq")
+    awq = AWQOptions(args.calib, args.calib_samples) if args.awq else None
+    out = quantize_checkpoint(args.model, args.method, args.group_size, args.out, awq, args.quantize_embedding)
     print(f"wrote {out}: load it with --model {out}", file=sys.stderr)
     return 0

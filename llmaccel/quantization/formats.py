@@ -1,6 +1,7 @@
-"""Weight-only quantization formats: INT8 per output channel and INT4 group-wise.
+"""Weight-only quantization formats: INT8 per output channel (or per group) and INT4 group-wise.
 
-INT8 (symmetric): w[n, k] ~= q[n, k] * scale[n], q in [-127, 127].
+INT8 (symmetric): w[n, k] ~= q[n, k] * scale[n], q in [-127, 127]. A grouped INT8 weight has a
+scale per `group_size` inputs instead, scale[n, k // G]: GGUF's Q8_0 (32 weights share a float16 d).
 INT4 (asymmetric, group G along the input dimension): w[n, k] ~= (q[n, k] - 8) * scale[n, g] + zero[n, g]
 with g = k // G and q in [0, 15]. This is the convention of PyTorch's CPU int4 kernel, and GGUF's
 Q4_1 (w = d * q + m over 32 weights) maps onto it exactly: scale = d, zero = m + 8 d.
@@ -20,10 +21,14 @@ METHODS = ("int8", "int4")
 @dataclass
 class Int8Weight:
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N]
+    scale: torch.Tensor  # float32 [N], or [N, K // group_size] when grouped
+    group_size: int | None = None  # None: one scale per output channel
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        if self.group_size is None:
+            return self.q.float() * self.scale[:, None]
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // self.group_size, self.group_size) * self.scale[..., None]).view(n, k)
 
     @property
     def nbytes(self) -> int:
@@ -78,9 +83,15 @@ def quantize(weight: torch.Tensor, method: str, group_size: int | None = None,
 def concat_weights(weights: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
     """Stack same-format weights along the output dimension (fused qkv / gate-up layers)."""
     if isinstance(weights[0], Int8Weight):
-        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
+                          weights[0].group_size)
     return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
                       torch.cat([w.zero for w in weights]), weights[0].group_size)
+
+
+def same_format(weights: list[Int8Weight | Int4Weight]) -> bool:
+    """Whether these weights can be stacked into one fused layer (one format, one group size)."""
+    return len({(type(w), w.group_size) for w in weights}) == 1
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

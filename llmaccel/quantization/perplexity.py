@@ -19,13 +19,18 @@ from tqdm.auto import tqdm
 
 from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
 
-# label -> engine options; "int4" picks the largest group (128/64/32) dividing each layer
+# label -> engine options; "int4" picks the largest group (128/64/32) dividing each layer; "awq": quantize
+# with AWQ on the built-in calibration prompts first; "+emb8": the embedding and LM head in INT8 too
 VARIANTS = {
     "fp32": {},
     "int8": {"quantization": "int8"},
+    "int8+emb8": {"quantization": "int8", "quantize_embedding": True},
     "int4": {"quantization": "int4"},
+    "int4+awq": {"quantization": "int4", "awq": True},
     "int4-g32": {"quantization": "int4", "quant_group_size": 32},
-    "gguf-native": {"quantization": "gguf"},  # only for a GGUF model: its own Q4_0/Q4_1 tensors
+    "int4-g32+emb8": {"quantization": "int4", "quant_group_size": 32, "quantize_embedding": True},
+    "gguf-native": {"quantization": "gguf"},  # only for a GGUF model: its own Q4_0/Q4_1/Q8_0 tensors
+    "gguf-native+emb8": {"quantization": "gguf", "quantize_embedding": True},  # and its Q8_0 embedding
 }
 
 
@@ -33,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"), help="evaluate this weight-only variant")
     parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: largest dividing each layer)")
+    parser.add_argument("--quantize-embedding", action="store_true", help="the embedding and LM head in INT8 too")
     parser.add_argument("--corpus", action="append", required=True,
                         help=f"a UTF-8 text file or a named corpus ({', '.join(NAMED_CORPORA)}); repeatable")
     parser.add_argument("--max-tokens", type=int, default=50_000, help="score the first this many tokens")
@@ -41,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help=f"evaluate every variant ({', '.join(VARIANTS)}) and print a table with weight bytes "
                              "and decode speed")
+    parser.add_argument("--variants", help="with --compare: only these variants, comma-separated (fp32, the "
+                                           "reference, is always first)")
+    parser.add_argument("--no-speed", action="store_true", help="with --compare: skip the decode-speed columns")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -96,34 +105,67 @@ def decode_speed(llm, batch: int, tokens: int = 128) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmaccel.llm import LLM
-
+    variants = _variants(args)
     texts = {name if name in NAMED_CORPORA else Path(name).name: load_corpus(name) for name in args.corpus}
-    if args.compare:
-        from llmaccel.model.loader import resolve_model_path
-
-        is_gguf = resolve_model_path(args.model).suffix.lower() == ".gguf"
-        variants = {k: v for k, v in VARIANTS.items() if is_gguf or v.get("quantization") != "gguf"}
-    else:
-        options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size}
-        variants = {args.quantization or "fp32": {k: v for k, v in options.items() if v is not None}}
+    with_speed = args.compare and not args.no_speed
     rows = []
     for label, options in variants.items():
-        llm = LLM(args.model, **options)
+        llm = _load(args.model, options)
         row = {"variant": label, "weight_bytes": weight_bytes(llm.engine.runner.model)}
         for name, text in texts.items():
             result = perplexity(llm.engine, text, args.max_tokens, args.ctx, args.stride, not args.no_progress)
             row[name] = result
             print(f"{label} {name}: perplexity {result.perplexity:.4f} over {result.num_tokens} tokens",
                   file=sys.stderr)
-        if args.compare:
+        if with_speed:
             row["batch1"], row["batch32"] = decode_speed(llm, 1), decode_speed(llm, 32)
         rows.append(row)
         del llm
-    print(format_table(rows, list(texts), args.compare))
+    print(format_table(rows, list(texts), with_speed))
     print(f"(peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB)",
           file=sys.stderr)
     return 0
+
+
+def _variants(args: argparse.Namespace) -> dict[str, dict]:
+    if not args.compare:
+        from llmaccel.model.loader import resolve_model_path
+        from llmaccel.quantization.checkpoint import read_quantization_config
+
+        options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
+                   "quantize_embedding": args.quantize_embedding or None}
+        path = resolve_model_path(args.model)
+        saved = read_quantization_config(path) if path.is_dir() else None
+        label = args.quantization or (f"{saved['method']} (saved)" if saved else "fp32")
+        return {label + ("+emb8" if args.quantize_embedding else ""): {k: v for k, v in options.items() if v}}
+    from llmaccel.model.loader import resolve_model_path
+
+    is_gguf = resolve_model_path(args.model).suffix.lower() == ".gguf"
+    variants = {k: v for k, v in VARIANTS.items() if is_gguf or v.get("quantization") != "gguf"}
+    if args.variants:
+        chosen = ["fp32"] + [v.strip() for v in args.variants.split(",") if v.strip() and v.strip() != "fp32"]
+        unknown = [v for v in chosen if v not in variants]
+        if unknown:
+            raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(variants)}")
+        variants = {v: variants[v] for v in chosen}
+    return variants
+
+
+def _load(model: str, options: dict):
+    """The LLM for one variant; an AWQ variant is quantized into a temporary checkpoint first."""
+    from llmaccel.llm import LLM
+
+    options = dict(options)
+    if not options.pop("awq", False):
+        return LLM(model, **options)
+    import tempfile
+
+    from llmaccel.quantization.checkpoint import AWQOptions, quantize_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="llmaccel-awq-") as tmp:
+        path = quantize_checkpoint(model, options["quantization"], options.get("quant_group_size"),
+                                   Path(tmp) / "model", AWQOptions(), options.get("quantize_embedding", False))
+        return LLM(str(path))
 
 
 def format_table(rows: list[dict], corpora: list[str], with_speed: bool) -> str:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llmaccel
 from llmaccel.config import ServerConfig
-from llmaccel.engine.async_engine import AsyncEngine
+from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestTimeoutError
 from llmaccel.server import protocol as p
@@ -57,7 +57,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     async def load() -> None:
         async_engine = AsyncEngine(engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000,
                                    step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
-                                   on_step=state.metrics.observe_step)
+                                   on_step=state.metrics.observe_step, background=_quality_watch(config, state))
         try:
             await async_engine.start()
         except Exception as exc:
@@ -258,3 +258,12 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def bug(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {exc!r}", "internal_error").response()
+
+
+def _quality_watch(config: ServerConfig, state: ServerState) -> BackgroundTask | None:
+    if config.quality_check_interval_s is None:
+        return None
+    from llmaccel.quantization.quality import QualityWatch
+
+    return BackgroundTask(config.quality_check_interval_s, QualityWatch(state.metrics.observe_quality),
+                          "quality check")

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-warn-s", type=float, default=10.0, help="log engine steps slower than this")
     parser.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                         help="on SIGTERM, how long in-flight requests may take to finish")
+    parser.add_argument("--quality-check-interval", type=float, metavar="S",
+                        help="every S seconds, between batches, re-measure perplexity on a small fixed validation "
+                             "slice and export it with the full-precision reference as llmaccel_quality_* gauges "
+                             "on /metrics (for quantized models; the reference comes from `llmaccel quantize`, "
+                             "or is measured once at the first check)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
 
 
@@ -46,7 +51,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_waiting_requests=args.max_waiting_requests,
                         request_timeout=args.request_timeout or None, max_batch_delay_ms=args.max_batch_delay_ms,
-                        step_warn_s=args.step_warn_s, graceful_shutdown_s=args.graceful_shutdown_s)
+                        step_warn_s=args.step_warn_s, graceful_shutdown_s=args.graceful_shutdown_s,
+                        quality_check_interval_s=args.quality_check_interval)
 
 
 class _DrainingServer(uvicorn.Server):

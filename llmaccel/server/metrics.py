@@ -66,6 +66,16 @@ class ServerMetrics:
                                  registry=r)
         self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused before generation, by reason.",
                                 ["reason"], registry=r)
+        self.quality_perplexity = Gauge(PREFIX + "quality_perplexity",
+                                        "Perplexity of the served model on the validation slice (quality watch).",
+                                        registry=r)
+        self.quality_reference = Gauge(PREFIX + "quality_reference_perplexity",
+                                       "The full-precision model's perplexity on the same slice.", registry=r)
+        self.quality_change = Gauge(PREFIX + "quality_perplexity_change_ratio",
+                                    "quality_perplexity / quality_reference_perplexity - 1.", registry=r)
+        self.quality_checks = Counter(PREFIX + "quality_checks", "Quality checks completed.", registry=r)
+        self.quality_last_check = Gauge(PREFIX + "quality_last_check_timestamp_seconds",
+                                        "Unix time of the last quality check.", registry=r)
         self._preemptions_seen = 0
 
     def bind_engine(self, running: Callable[[], float], waiting: Callable[[], float],
@@ -74,6 +84,14 @@ class ServerMetrics:
         self.running.set_function(running)
         self.waiting.set_function(waiting)
         self.kv_cache_usage.set_function(kv_usage)
+
+    def observe_quality(self, perplexity: float, reference: float) -> None:
+        """Called from the engine thread after each quality check."""
+        self.quality_perplexity.set(perplexity)
+        self.quality_reference.set(reference)
+        self.quality_change.set(perplexity / reference - 1)
+        self.quality_checks.inc()
+        self.quality_last_check.set(time.time())
 
     def observe_step(self, step: StepStats, seconds: float, preemptions: int) -> None:
         """Called from the engine thread after every step (prometheus-client is thread-safe)."""

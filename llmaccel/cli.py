@@ -24,6 +24,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV of prompt prefixes seen before (on by default: full blocks are "
+                             "hashed with their whole prefix, kept after use and evicted least recently used first)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
@@ -34,7 +37,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
-                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                   max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:
         options["num_kv_blocks"] = args.num_kv_blocks

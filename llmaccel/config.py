@@ -80,6 +80,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes; the number of blocks follows from it
     num_kv_blocks: int | None = None  # sets the count directly, overriding kv_cache_memory
+    enable_prefix_caching: bool = True  # reuse the KV of identical prompt prefixes (hashed full blocks)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -107,7 +107,7 @@ def test_gguf_q8_0_runs_natively_with_its_own_embedding_table(tied_dir, tmp_path
     from llmaccel.ops import quant_linear
     from llmaccel.ops.quant_linear import Int8Linear
 
-    monkeypatch.setattr(quant_linear, "int8_kernel_available", lambda: False)
+    monkeypatch.setattr(quant_linear, "int8_kernel_available", lambda device_type="cpu": False)
 
     path = _write(tied_dir, tmp_path, Q.Q8_0, tiny_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,8 +12,8 @@ from llmaccel.engine.scheduler import Scheduler
 from llmaccel.sampling_params import SamplingParams
 
 
-def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens_per_step=64):
-    kv = KVCacheManager(num_blocks, block_size)
+def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens_per_step=64, prefix_caching=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step), kv)
 
 
@@ -104,9 +104,12 @@ operation = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(operation, min_size=1, max_size=60), st.integers(1, 24), st.sampled_from([8, 16, 64]))
-def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_budget, num_blocks):
-    sched = _scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=token_budget)
+@given(st.lists(operation, min_size=1, max_size=60), st.integers(1, 24), st.sampled_from([8, 16, 64]), st.booleans())
+def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_budget, num_blocks, prefix_caching):
+    """Every prompt is 1..n, so with prefix caching on they share prefixes and running requests share blocks."""
+    sched = _scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=token_budget,
+                       prefix_caching=prefix_caching)
+    pool = sched.kv_cache.pool
     capacity = num_blocks * 4
     live: list[Request] = []
     for i, (kind, a, b) in enumerate(ops):
@@ -119,14 +122,19 @@ def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_
         elif kind == "abort" and live:
             sched.finish_request(live[a % len(live)], RequestStatus.FINISHED_ABORTED)
         held = [blk for r in sched.running for blk in r.block_ids]
-        assert len(held) == len(set(held)), "a block is owned twice"
-        assert len(held) + sched.kv_cache.num_free_blocks == num_blocks
+        assert all(held.count(blk) == pool.ref_counts[blk] for blk in set(held)), "a reference is lost"
+        assert prefix_caching or len(held) == len(set(held)), "a block is owned twice"
+        assert len(set(held)) + sched.kv_cache.num_free_blocks == num_blocks
         assert all(not r.block_ids for r in sched.waiting)
+        assert all(pool.block_hashes[blk] is not None
+                   for r in sched.running for blk in r.block_ids[:r.num_cached_blocks])
     for _ in range(2000):  # run the rest to completion: nothing may get stuck
         if not sched.has_unfinished:
             break
         _step(sched)
     assert not sched.has_unfinished
     assert sched.kv_cache.num_free_blocks == num_blocks
-    assert sorted(sched.kv_cache.pool.free_block_ids()) == list(range(num_blocks))
+    assert sorted(pool.free_block_ids()) == list(range(num_blocks))
+    assert pool.ref_counts == [0] * num_blocks
     assert all(r.is_finished for r in live)
+    assert sorted(pool.cached.values()) == sorted(b for b, h in enumerate(pool.block_hashes) if h is not None)

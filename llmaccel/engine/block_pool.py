@@ -1,11 +1,16 @@
-"""BlockPool: the physical KV blocks, their reference counts and the free queue.
+"""BlockPool: the physical KV blocks, their reference counts, the free queue and the prefix cache.
 
-Allocation takes from the head of the free queue. A freed block goes back to the head, so the
-most recently freed blocks are reused first. The KV pool is mapped lazily (a page costs memory
-once written), so reusing warm blocks keeps what a server really holds at its peak concurrent
-need; handing out the block freed longest ago instead would, over a long run, walk and make
-resident the whole pool. Blocks that hold a cached prefix (the prefix-caching issue) are to wait
-at the tail instead, in LRU order.
+Allocation takes from the head of the free queue. A freed block that holds no cached prefix goes
+back to the head, so the most recently freed blocks are reused first: the KV pool is mapped lazily
+(a page costs memory once written), and reusing warm blocks keeps what a server really holds at its
+peak concurrent need.
+
+A full block whose tokens are known carries a hash of its whole prefix (automatic prefix caching,
+as vLLM v1 does it). Freed, it keeps the hash and waits at the tail of the free queue, in LRU order,
+so the free queue reads: warm uncached blocks, never-used blocks, then cached blocks, least
+recently used first. A new request that finds its prefix's hashes takes those blocks back (`touch`)
+instead of recomputing them; a cached block is evicted, and its hash forgotten, only when the pool
+hands it out again. Blocks in use (ref count > 0) are shared, never evicted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # prefix hash -> block holding it
+        self.num_evictions = 0
         # OrderedDict as an O(1) doubly linked list: head = next to be handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
@@ -31,27 +39,61 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, count: int) -> list[int] | None:
-        """Take `count` blocks from the head of the free queue, or None (taking nothing) if short."""
+        """Take `count` blocks from the head of the free queue, or None (taking nothing) if short.
+        A cached block handed out loses its hash."""
         if count > len(self._free):
             return None
         blocks = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks that reach zero go to the head of the free
-        queue, in the order given (callers pass a request's blocks tail first)."""
+        """Drop one reference from each block (callers pass a request's blocks tail first). Blocks
+        that reach zero go to the free queue: uncached ones to the head, cached ones to the tail,
+        so a request's deepest cached blocks are evicted before its shared beginning."""
         for block_id in block_ids:
             if self.ref_counts[block_id] <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
-        for block_id in reversed(block_ids):
+        released = []
+        for block_id in block_ids:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
+                released.append(block_id)
+        for block_id in released:
+            if self.block_hashes[block_id] is not None:
+                self._free[block_id] = None  # the tail: most recently used
+        for block_id in reversed(released):
+            if self.block_hashes[block_id] is None:
                 self._free[block_id] = None
                 self._free.move_to_end(block_id, last=False)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks a new request reuses (out of the free queue if unused)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Record that `block_id` (full, computed) holds the prefix `block_hash`. A prefix some
+        other block holds already stays with that block."""
+        if block_hash not in self.cached and self.block_hashes[block_id] is None:
+            self.cached[block_hash] = block_id
+            self.block_hashes[block_id] = block_hash
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block_id] = None
+            self.num_evictions += 1
 
     def free_block_ids(self) -> list[int]:
         """The free queue in reuse order (head first); for tests and debugging."""

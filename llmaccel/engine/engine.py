@@ -10,7 +10,7 @@ import torch
 
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
-from llmaccel.engine.kv_cache_manager import KVCacheManager, cdiv
+from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
@@ -95,7 +95,9 @@ class LLMEngine:
                                  group_size=config.model.quant_group_size, prequantized=ready,
                                  quantize_embedding=config.model.quantize_embedding)
         del checkpoint
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        salt = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
+                                         config.model.quant_group_size, config.model.quantize_embedding))
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "
@@ -266,6 +268,11 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache and found there, since the engine started."""
+        return self.kv_cache.stats
 
     @property
     def kv_cache_usage(self) -> float:

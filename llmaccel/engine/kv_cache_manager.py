@@ -1,6 +1,17 @@
-"""KVCacheManager: gives each request the blocks its tokens need, on demand."""
+"""KVCacheManager: gives each request the blocks its tokens need, on demand, reusing cached prefixes.
+
+Prefix hashes are chained: block i's hash covers its own token ids and block i-1's hash, so equal
+hashes mean equal whole prefixes. The chain starts from a salt naming the model variant (model,
+dtype, quantization), so different weights never share KV. A request admitted with a cached prefix
+starts with those blocks and `num_computed_tokens` past them; at least its last prompt token is
+always computed, since its logits give the first output token.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from llmaccel.engine.block_pool import BlockPool
 from llmaccel.engine.request import Request
@@ -10,10 +21,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.sha256(parent)
+    digest.update(b",".join(str(t).encode() for t in token_ids))
+    return digest.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up at admission, and how many of them were found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_salt: str = "") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = hashlib.sha256(cache_salt.encode()).digest()
+        self.stats = PrefixCacheStats()
 
     @property
     def usage(self) -> float:
@@ -23,22 +52,68 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens of `request`.
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks holding the longest cached prefix of a request that has computed nothing yet
+        (never all of its tokens). Takes nothing: `allocate_slots` does."""
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        hits = []
+        for block_hash_ in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.pool.lookup(block_hash_)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: list[int] | None = None) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `request`, starting it on the `cached` prefix
+        blocks (from find_cached_prefix) if given.
 
         Returns the newly allocated block ids (possibly empty), or None when the pool is short,
-        in which case nothing was allocated and the caller decides whom to preempt.
+        in which case nothing was taken and the caller decides whom to preempt.
         """
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
-        if needed <= 0:
-            return []
-        new_blocks = self.pool.allocate(needed)
-        if new_blocks is None:
+        cached = cached or []
+        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(cached)
+        unused_cached = sum(1 for b in cached if self.pool.ref_counts[b] == 0)  # these leave the free queue
+        if needed > self.pool.num_free_blocks - unused_cached:
             return None
+        if cached:
+            self.pool.touch(cached)
+            request.block_ids = list(cached)
+            request.num_computed_tokens = num_computed
+        new_blocks = self.pool.allocate(max(needed, 0)) or []
         request.block_ids.extend(new_blocks)
         return new_blocks
+
+    def record_admission(self, request: Request, num_cached_tokens: int) -> None:
+        """Count a fresh request's prompt lookup (re-admissions after preemption are not queries)."""
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.stats.queries += request.num_prompt_tokens
+            self.stats.hits += num_cached_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Hash and register the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(request, num_full)
+        for index in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.block_ids[index], hashes[index])
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Release every block of `request` (tail first) at once."""
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _block_hashes(self, request: Request, count: int) -> list[bytes]:
+        """The chained hashes of the request's first `count` full blocks, extending its memo."""
+        hashes, size = request.block_hashes, self.block_size
+        while len(hashes) < count:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else self.root_hash
+            hashes.append(block_hash(parent, request.all_token_ids[index * size:(index + 1) * size]))
+        return hashes[:count]

@@ -3,9 +3,10 @@
 There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
 `num_tokens`; each step first gives every running request its next tokens (1 when decoding, a
 chunk when prefilling) within `max_num_batched_tokens`, then admits waiting requests while the
-budget, `max_num_seqs` and free blocks last. When a running request cannot get a block, the most
-recently admitted running request is preempted: its blocks are freed and it goes back to the head
-of the queue, to be recomputed later. Chunked prefill falls out of this rule.
+budget, `max_num_seqs` and free blocks last; a request admitted with a cached prefix (prefix
+caching) starts past it, so only the rest counts against the budget. When a running request cannot
+get a block, the most recently admitted running request is preempted: its blocks are freed and it
+goes back to the head of the queue, to be recomputed later. Chunked prefill falls out of this rule.
 """
 
 from __future__ import annotations
@@ -81,9 +82,12 @@ class Scheduler:
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_new) is None:
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new, cached) is None:
                 break
+            self.kv_cache.record_admission(request, num_cached_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -109,6 +113,7 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -1,10 +1,11 @@
 """Weight-only INT8 / INT4 linear layers.
 
-On the CPU they call PyTorch's own weight-only kernels, `torch._weight_int8pack_mm` and
-`torch._weight_int4pack_mm_for_cpu`, which want bfloat16 activations: the input is cast to bf16
-around the call and the result back (measured here: fast with bf16, ~20x slower with float32).
-Elsewhere, or where a kernel is missing or fails its self-check, the fallback dequantizes on the fly
-and multiplies in the activation dtype. Either way the weights stay packed in memory.
+They call PyTorch's own weight-only kernels, `torch._weight_int8pack_mm` and, for INT4,
+`torch._weight_int4pack_mm_for_cpu` on the CPU or `torch._weight_int4pack_mm` (tinygemm) on CUDA.
+All want bfloat16 activations: the input is cast to bf16 around the call and the result back
+(measured on this CPU: fast with bf16, ~20x slower with float32). Each kernel is checked once per
+device type against a dequantized reference; where one is missing or fails, the fallback dequantizes
+on the fly and multiplies in the activation dtype. Either way the weights stay packed in memory.
 """
 
 from __future__ import annotations
@@ -22,34 +23,59 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def int8_kernel_available() -> bool:
+def int8_kernel_available(device_type: str = "cpu") -> bool:
+    """Whether torch's weight-only INT8 kernel runs on this device type and gives the right numbers."""
     try:
         w = torch.randn(16, 64)
         q, s = torch.randint(-127, 128, (16, 64), dtype=torch.int8), w.abs().amax(1) / 127
         x = torch.randn(3, 64)
-        got = torch._weight_int8pack_mm(x.bfloat16(), q, s.bfloat16()).float()
+        got = torch._weight_int8pack_mm(*(t.to(device_type) for t in (x.bfloat16(), q, s.bfloat16()))).float().cpu()
         want = x.bfloat16().float() @ (q.float() * s.bfloat16().float()[:, None]).t()
         return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
-    except Exception as exc:  # an older or differently built torch
-        logger.info("CPU int8 weight-only kernel unavailable (%s); dequantizing on the fly", exc)
+    except Exception as exc:  # an older or differently built torch, or a GPU without the kernel
+        logger.info("%s int8 weight-only kernel unavailable (%s); dequantizing on the fly", device_type, exc)
         return False
 
 
+def int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Unpacked INT4 values [N, K] (0..15) in the layout of this device's int4 kernel.
+
+    CPU: `_convert_weight_to_int4pack_for_cpu` takes int32 [N, K]. CUDA (tinygemm, sm80+):
+    `_convert_weight_to_int4pack` takes uint8 [N, K / 2] with the even column in the high nibble
+    (the torchao/gpt-fast convention), tiled `inner_k_tiles` x 16 along K."""
+    if device.type == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    k = q.shape[1]
+    inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+    q = q.to(torch.uint8)
+    return torch._convert_weight_to_int4pack(((q[:, 0::2] << 4) | q[:, 1::2]).to(device), inner_k_tiles)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    kernel = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
+    return kernel(x.to(torch.bfloat16), packed, group_size, scales_and_zeros)
+
+
 @functools.cache
-def int4_kernel_available() -> bool:
+def int4_kernel_available(device_type: str = "cpu") -> bool:
+    """Whether torch's weight-only INT4 kernel runs on this device type and gives the right numbers."""
     try:
+        device = torch.device(device_type)
         q = torch.randint(0, 16, (16, 64), dtype=torch.int32)
         scale, zero = torch.rand(16, 2) + 0.5, torch.randn(16, 2)
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).bfloat16().contiguous()
         x = torch.randn(3, 64)
-        got = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz).float()
+        got = int4_matmul(x.to(device), int4_pack(q, device), 32, sz.to(device)).float().cpu()
         deq = (q.float().view(16, 2, 32) - 8) * scale.bfloat16().float()[..., None] + zero.bfloat16().float()[..., None]
         want = x.bfloat16().float() @ deq.view(16, 64).t()
         return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
     except Exception as exc:
-        logger.info("CPU int4 weight-only kernel unavailable (%s); dequantizing on the fly", exc)
+        logger.info("%s int4 weight-only kernel unavailable (%s); dequantizing on the fly", device_type, exc)
         return False
+
+
+def _kernel_device(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
 
 
 class Int8Linear(nn.Module):
@@ -63,7 +89,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.q.shape
         self.group_size = weight.group_size
         self.bias = bias
-        self.use_kernel = (device.type == "cpu" and int8_kernel_available()) if use_kernel is None else use_kernel
+        if use_kernel is None:
+            use_kernel = _kernel_device(device) and int8_kernel_available(device.type)
+        self.use_kernel = use_kernel
         self.scale = weight.scale.to(device)
         self.scale_bf16 = self.scale.bfloat16()
         if self.group_size is None:
@@ -114,10 +142,13 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
         self.bias = bias
-        self.use_kernel = (device.type == "cpu" and int4_kernel_available()) if use_kernel is None else use_kernel
+        if use_kernel is None:
+            use_kernel = _kernel_device(device) and int4_kernel_available(device.type)
+        self.use_kernel = use_kernel
         if self.use_kernel:  # the kernel's own packed layout (also two weights per byte); drop ours
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(weight.packed).to(torch.int32), 2)
-            self.scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).bfloat16().contiguous()
+            self.packed = int4_pack(unpack_int4(weight.packed), device)
+            scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+            self.scales_and_zeros = scales_and_zeros.bfloat16().contiguous().to(device)
         else:
             self.weight = Int4Weight(weight.packed.to(device), weight.scale.to(device), weight.zero.to(device),
                                      weight.group_size)
@@ -131,8 +162,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
-                                                    self.scales_and_zeros).to(x.dtype)
+            out = int4_matmul(x, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         else:
             out = F.linear(x, self.weight.dequantize().to(x.dtype))
         return out if self.bias is None else out + self.bias

@@ -68,7 +68,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             return
         engine = async_engine.engine
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
-                                  lambda: engine.kv_cache_usage)
+                                  lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats)
         state.serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), state.metrics,
                                       config.request_timeout)
         state.engine = async_engine

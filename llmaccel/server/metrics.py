@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from llmaccel.engine.engine import StepStats
+from llmaccel.engine.kv_cache_manager import PrefixCacheStats
 from llmaccel.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -79,11 +81,12 @@ class ServerMetrics:
         self._preemptions_seen = 0
 
     def bind_engine(self, running: Callable[[], float], waiting: Callable[[], float],
-                    kv_usage: Callable[[], float]) -> None:
-        """Read the engine gauges at scrape time."""
+                    kv_usage: Callable[[], float], prefix_cache: Callable[[], PrefixCacheStats]) -> None:
+        """Read the engine gauges, and the prefix cache's counters, at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
         self.kv_cache_usage.set_function(kv_usage)
+        self.registry.register(_PrefixCacheCollector(prefix_cache))
 
     def observe_quality(self, perplexity: float, reference: float) -> None:
         """Called from the engine thread after each quality check."""
@@ -154,3 +157,17 @@ class RequestTracker:
         num_tokens = max(len(c.token_ids) for c in out.outputs)
         if num_tokens > 1 and t.first_token_time is not None:
             m.time_per_output_token.observe((t.finished_time - t.first_token_time) / (num_tokens - 1))
+
+
+class _PrefixCacheCollector:
+    """The engine's cumulative prefix-cache counts, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.queries)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                                  "KV reused, not computed).", value=stats.hits)

@@ -143,6 +143,11 @@ class ServerConfig:
     step_warn_s: float = 10.0  # the watchdog logs engine steps slower than this
     graceful_shutdown_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     quality_check_interval_s: float | None = None  # re-measure validation perplexity this often; None: never
+    result_cache: bool = True  # answer repeated deterministic requests from the result cache
+    result_cache_size: int = 4096  # entries held in memory (least recently used out first)
+    result_cache_memory: int = 64 << 20  # bytes held in memory
+    result_cache_path: str | None = None  # SQLite file that keeps results across restarts
+    result_cache_ttl_s: float | None = None  # entries older than this are misses; None: no expiry
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -155,6 +160,10 @@ class ServerConfig:
             raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms}")
         if self.step_warn_s <= 0 or self.graceful_shutdown_s < 0:
             raise ValueError("step_warn_s must be > 0 and graceful_shutdown_s >= 0")
+        if self.result_cache_size < 1 or self.result_cache_memory < 1:
+            raise ValueError("result_cache_size and result_cache_memory must be >= 1")
+        if self.result_cache_ttl_s is not None and self.result_cache_ttl_s <= 0:
+            raise ValueError(f"result_cache_ttl_s must be > 0, got {self.result_cache_ttl_s}")
         if self.quality_check_interval_s is not None and self.quality_check_interval_s <= 0:
             raise ValueError(f"quality_check_interval_s must be > 0, got {self.quality_check_interval_s}")
         if self.api_key is not None and not self.api_key:

@@ -53,6 +53,7 @@ def live_server(model_dir, engine_factory: Callable[[], LLMEngine] | None = None
                 engine_options: dict | None = None, **server_options: object) -> Iterator[LiveServer]:
     sock = _free_socket()
     port = sock.getsockname()[1]
+    server_options.setdefault("result_cache", False)  # engine tests want every request to reach the engine
     config = ServerConfig(port=port, **server_options)  # type: ignore[arg-type]
     options = {"num_kv_blocks": 256, "max_num_seqs": 64, **(engine_options or {})}
     factory = engine_factory or (lambda: LLMEngine(EngineConfig.create(str(model_dir), **options)))

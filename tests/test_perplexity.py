@@ -108,4 +108,4 @@ def test_eval_ppl_compare_runs_the_chosen_variants_against_fp32(llama_dir, tmp_p
     fp32, int8, int4 = (int(line.split(" | ")[-1].rstrip(" |%")) for line in lines[1:])  # weight change vs fp32
     assert int4 < int8 < fp32 == 0
     assert main(args + ["--variants", "int3"]) == 2
-    assert "unknown variant(s) int3; choose from fp32, int8, int8+emb8" in capsys.readouterr().err
+    assert "unknown variant(s) int3; choose from fp32, int8, int8+awq, int8+emb8" in capsys.readouterr().err

@@ -76,7 +76,7 @@ def main() -> int:
     prompts = [p.prompt for p in builtin_prompts()[:args.num_prompts]]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server([sys.executable, "-m", "llmaccel.cli", "serve"], port,
+    server = start_server([sys.executable, "-m", "llmaccel.cli", "serve", "--no-result-cache"], port,
                           Path(tempfile.mkdtemp(prefix="served-vs-offline-")) / "serve.log")
     try:
         rows = []

@@ -105,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="llmaccel-compare-"))
     servers = [] if args.skip_baseline else [("hf-baseline", [sys.executable, "-m", "llmaccel.cli", "bench",
                                                                "hf-server", "--model", args.model])]
+    # no result cache: repeated prompts across rates would be answered without the engine
     servers.append(("llmaccel", [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model,
-                                 *args.serve_args.split()]))
+                                 "--no-result-cache", *args.serve_args.split()]))
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)

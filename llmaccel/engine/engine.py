@@ -95,9 +95,10 @@ class LLMEngine:
                                  group_size=config.model.quant_group_size, prequantized=ready,
                                  quantize_embedding=config.model.quantize_embedding)
         del checkpoint
-        salt = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
-                                         config.model.quant_group_size, config.model.quantize_embedding))
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt)
+        # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
+        self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
+                                                 config.model.quant_group_size, config.model.quantize_embedding))
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "

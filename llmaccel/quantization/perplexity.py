@@ -24,6 +24,7 @@ from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
 VARIANTS = {
     "fp32": {},
     "int8": {"quantization": "int8"},
+    "int8+awq": {"quantization": "int8", "awq": True},
     "int8+emb8": {"quantization": "int8", "quantize_embedding": True},
     "int4": {"quantization": "int4"},
     "int4+awq": {"quantization": "int4", "awq": True},

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llmaccel
+from llmaccel.cache.result_cache import ResultCache
 from llmaccel.config import ServerConfig
 from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
 from llmaccel.engine.engine import LLMEngine
@@ -69,8 +71,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         engine = async_engine.engine
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
                                   lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats)
+        result_cache = _result_cache(config)
+        if result_cache is not None:
+            state.metrics.bind_result_cache(result_cache)
         state.serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), state.metrics,
-                                      config.request_timeout)
+                                      config.request_timeout, result_cache, engine.variant)
         state.engine = async_engine
         capacity = engine.num_blocks * engine.config.cache.block_size
         logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
@@ -86,6 +91,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             loader.cancel()
         if state.engine is not None:
             await state.engine.shutdown()
+        if state.serving is not None and state.serving.result_cache is not None:
+            state.serving.result_cache.close()
 
     app = FastAPI(title="llmaccel", version=llmaccel.__version__, lifespan=lifespan)
     app.state.server = state
@@ -173,9 +180,10 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
                        code="context_length_exceeded", rejected="invalid_request") from None
     except ValueError as exc:
         raise APIError(400, str(exc), rejected="invalid_request") from None
+    cache_header = {"x-llmaccel-cache": job.cache}
     if body.stream:
         return _SSEResponse(serving.stream(job), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **cache_header})
     task = asyncio.create_task(serving.complete(job))
     watcher = asyncio.create_task(_disconnected(request))
     await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -191,7 +199,7 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         info = error_info(exc)
         raise APIError(504 if isinstance(exc, RequestTimeoutError) else 503, info.message, info.type,
                        code=info.code) from None
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=cache_header)
 
 
 async def _disconnected(request: Request) -> None:
@@ -267,3 +275,10 @@ def _quality_watch(config: ServerConfig, state: ServerState) -> BackgroundTask |
 
     return BackgroundTask(config.quality_check_interval_s, QualityWatch(state.metrics.observe_quality),
                           "quality check")
+
+
+def _result_cache(config: ServerConfig) -> ResultCache | None:
+    if not config.result_cache:
+        return None
+    path = Path(config.result_cache_path).expanduser() if config.result_cache_path else None
+    return ResultCache(config.result_cache_size, config.result_cache_memory, path, config.result_cache_ttl_s)

@@ -13,7 +13,7 @@ import signal
 
 import uvicorn
 
-from llmaccel.config import EngineConfig, ServerConfig
+from llmaccel.config import EngineConfig, ServerConfig, parse_memory_size
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.model.loader import resolve_model_path
 
@@ -43,6 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "slice and export it with the full-precision reference as llmaccel_quality_* gauges "
                              "on /metrics (for quantized models; the reference comes from `llmaccel quantize`, "
                              "or is measured once at the first check)")
+    parser.add_argument("--no-result-cache", action="store_true",
+                        help="do not answer repeated deterministic requests (temperature 0 or a fixed seed, n = 1) "
+                             "from the exact result cache; a request can also opt out with \"result_cache\": false")
+    parser.add_argument("--result-cache-size", type=int, default=4096,
+                        help="result-cache entries held in memory, least recently used evicted first")
+    parser.add_argument("--result-cache-memory", default="64MiB", help="result-cache bytes held in memory")
+    parser.add_argument("--result-cache-path", metavar="F.db",
+                        help="also keep results in this SQLite file (WAL mode), so hits survive a restart")
+    parser.add_argument("--result-cache-ttl", type=float, metavar="S",
+                        help="results older than S seconds are recomputed (default: no expiry)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
 
 
@@ -52,7 +62,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_waiting_requests=args.max_waiting_requests,
                         request_timeout=args.request_timeout or None, max_batch_delay_ms=args.max_batch_delay_ms,
                         step_warn_s=args.step_warn_s, graceful_shutdown_s=args.graceful_shutdown_s,
-                        quality_check_interval_s=args.quality_check_interval)
+                        quality_check_interval_s=args.quality_check_interval,
+                        result_cache=not args.no_result_cache, result_cache_size=args.result_cache_size,
+                        result_cache_memory=parse_memory_size(args.result_cache_memory),
+                        result_cache_path=args.result_cache_path, result_cache_ttl_s=args.result_cache_ttl)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmaccel.engine.engine import StepStats
 from llmaccel.engine.kv_cache_manager import PrefixCacheStats
@@ -68,6 +68,10 @@ class ServerMetrics:
                                  registry=r)
         self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused before generation, by reason.",
                                 ["reason"], registry=r)
+        self.engine_requests = Counter(PREFIX + "engine_requests", "Requests handed to the engine (result-cache "
+                                       "hits and requests sharing an identical one in flight are not).", registry=r)
+        self.result_cache_shared = Counter(PREFIX + "result_cache_shared", "Requests that joined an identical "
+                                           "deterministic request already in flight (single-flight).", registry=r)
         self.quality_perplexity = Gauge(PREFIX + "quality_perplexity",
                                         "Perplexity of the served model on the validation slice (quality watch).",
                                         registry=r)
@@ -87,6 +91,10 @@ class ServerMetrics:
         self.waiting.set_function(waiting)
         self.kv_cache_usage.set_function(kv_usage)
         self.registry.register(_PrefixCacheCollector(prefix_cache))
+
+    def bind_result_cache(self, cache) -> None:
+        """Export the result cache's counters and size, read at scrape time."""
+        self.registry.register(_ResultCacheCollector(cache))
 
     def observe_quality(self, perplexity: float, reference: float) -> None:
         """Called from the engine thread after each quality check."""
@@ -110,6 +118,16 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NullTracker:
+    """A result-cache hit's tracker: no engine ran, so there is nothing to record."""
+
+    def on_output(self, output: RequestOutput) -> None:
+        pass
+
+    def finish(self, outcome: str = "ok") -> None:
+        pass
 
 
 class RequestTracker:
@@ -171,3 +189,19 @@ class _PrefixCacheCollector:
                                   value=stats.queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "KV reused, not computed).", value=stats.hits)
+
+
+class _ResultCacheCollector:
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        stats = self.cache.stats
+        for name, doc, value in (("hits", "Requests answered from the result cache.", stats.hits),
+                                 ("misses", "Cacheable requests not found in the result cache.", stats.misses),
+                                 ("evictions", "Result-cache entries evicted from memory (LRU).", stats.evictions)):
+            yield CounterMetricFamily(PREFIX + "result_cache_" + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "result_cache_bytes", "Bytes the result cache holds in memory.",
+                                value=self.cache.bytes)
+        yield GaugeMetricFamily(PREFIX + "result_cache_entries", "Entries the result cache holds in memory.",
+                                value=len(self.cache))

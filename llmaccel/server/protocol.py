@@ -44,6 +44,8 @@ class _Request(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
+    result_cache: bool = True
 
     @field_validator("stop")
     @classmethod

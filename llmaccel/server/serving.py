@@ -18,17 +18,20 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from llmaccel.cache.result_cache import ResultCache, cache_key, is_cacheable
 from llmaccel.engine.async_engine import AsyncEngine, RequestStream
 from llmaccel.engine.detokenizer import token_bytes_function
 from llmaccel.errors import EngineDeadError, PromptTooLongError, RequestTimeoutError
 from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
-from llmaccel.server.metrics import RequestTracker, ServerMetrics
+from llmaccel.server.metrics import NullTracker, RequestTracker, ServerMetrics
+from llmaccel.server.result_streams import FlightSubscriber, ReplayStream, SharedFlight
 
 logger = logging.getLogger(__name__)
 
 AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
+Stream = RequestStream | ReplayStream | FlightSubscriber
 
 
 @dataclass
@@ -38,9 +41,10 @@ class _Job:
     request: AnyRequest
     response_id: str
     model: str
-    streams: list[RequestStream]
-    trackers: list[RequestTracker]
+    streams: list[Stream]
+    trackers: list[RequestTracker | NullTracker]
     prompt_lengths: list[int]
+    cache: str = "bypass"  # the result cache: "hit" (every prompt answered from it), "miss" or "bypass"
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
 
     @property
@@ -50,12 +54,16 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
-                 request_timeout: float | None) -> None:
+                 request_timeout: float | None, result_cache: ResultCache | None = None,
+                 variant: str = "") -> None:
         self.engine = engine
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
         self.metrics = metrics
         self.request_timeout = request_timeout
         self.token_bytes = token_bytes_function(tokenizer)
+        self.result_cache = result_cache
+        self.variant = variant  # the model variant, part of every result-cache key
+        self._flights: dict[str, SharedFlight] = {}
 
     # ---- admission --------------------------------------------------------------------------------
     def prompts(self, request: AnyRequest) -> list[list[int]]:
@@ -92,16 +100,42 @@ class OpenAIServing:
         prompts = self.prompts(request)
         params = [self.sampling_params(request, len(ids)) for ids in prompts]
         response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
+        streams: list[Stream] = []
+        outcomes: list[str] = []
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-                streams.append(self.engine.add_request(ids, sp, f"{response_id}-{i}", self.request_timeout))
+                stream, outcome = self._open(ids, sp, f"{response_id}-{i}", request.result_cache)
+                streams.append(stream)
+                outcomes.append(outcome)
         except BaseException:
             for stream in streams:
                 stream.close()
             raise
-        return _Job(request, response_id, model, streams, [self.metrics.track() for _ in streams],
-                    [len(ids) for ids in prompts])
+        trackers = [NullTracker() if o == "hit" else self.metrics.track() for o in outcomes]
+        cache = "hit" if all(o == "hit" for o in outcomes) else "bypass" if all(o == "bypass" for o in outcomes) \
+            else "miss"
+        return _Job(request, response_id, model, streams, trackers, [len(ids) for ids in prompts], cache)
+
+    def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool) -> tuple[Stream, str]:
+        """The stream of one prompt: a cache hit's replay, a subscription to an identical request in
+        flight, or a new engine request. Also says which: hit, miss or bypass."""
+        if self.result_cache is None or not use_cache or not is_cacheable(params):
+            return self._engine_request(ids, params, request_id), "bypass"
+        key = cache_key(self.variant, ids, params)
+        stored = self.result_cache.get(key)
+        if stored is not None:
+            return ReplayStream(request_id, stored), "hit"
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = SharedFlight(key, self._engine_request(ids, params, request_id), self.result_cache, self._flights)
+        else:
+            self.metrics.result_cache_shared.inc()
+        return flight.subscribe(request_id, self.request_timeout), "miss"
+
+    def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        stream = self.engine.add_request(ids, params, request_id, self.request_timeout)
+        self.metrics.engine_requests.inc()
+        return stream
 
     # ---- running ----------------------------------------------------------------------------------
     async def complete(self, job: _Job) -> BaseModel:
@@ -257,7 +291,7 @@ async def _merged(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: Stream) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((i, output))

@@ -1,0 +1,1 @@
+"""Caches above the engine: the exact result cache."""

@@ -112,6 +112,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("compare", "compare", "the headline table: HF baseline server vs llmaccel (and peers)", "add_arguments", "run"),
     ("hf-server", "hf_server", "the HF transformers baseline server (one request at a time)", "add_arguments", "run"),
     ("offline", "offline", "llmaccel vs HF transformers on the same prompts, in one run", "add_arguments", "run"),
+    ("multiturn", "multiturn", "multi-turn chats with prefix caching off and on: prefill computed, throughput",
+     "add_arguments", "run"),
     ("report-offline", "report", "markdown table and a PNG bar chart from offline result files", "add_arguments",
      "run"),
 ]

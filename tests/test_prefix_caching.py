@@ -81,3 +81,17 @@ def test_server_exports_prefix_cache_counters(llama_dir):
               if line.startswith("llmaccel_prefix_cache_")}
     assert values["llmaccel_prefix_cache_hits_total"] > 0
     assert values["llmaccel_prefix_cache_queries_total"] > values["llmaccel_prefix_cache_hits_total"]
+
+
+def test_multiturn_benchmark_computes_less_prefill_with_caching_and_the_same_replies(llama_dir, capsys):
+    from llmaccel.cli import main
+
+    assert main(["bench", "multiturn", "--model", str(llama_dir), "--conversations", "3", "--turns", "3",
+                 "--reply-tokens", "6", "--kv-cache-memory", "64MiB"]) == 0
+    captured = capsys.readouterr()
+    assert "replies identical with and without prefix caching: True" in captured.err
+    rows = [line.split(" | ") for line in captured.out.splitlines() if line.startswith("| o")]
+    (off_prompt, off_computed, off_hits), (on_prompt, on_computed, on_hits) = (
+        (int(r[1]), int(r[2]), int(r[3])) for r in rows)
+    assert off_prompt == on_prompt == off_computed and off_hits == 0
+    assert on_computed == on_prompt - on_hits and on_hits > on_prompt // 3

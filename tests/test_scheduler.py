@@ -126,8 +126,8 @@ def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_
         assert prefix_caching or len(held) == len(set(held)), "a block is owned twice"
         assert len(set(held)) + sched.kv_cache.num_free_blocks == num_blocks
         assert all(not r.block_ids for r in sched.waiting)
-        assert all(pool.block_hashes[blk] is not None
-                   for r in sched.running for blk in r.block_ids[:r.num_cached_blocks])
+        hashed = {b: h for b, h in enumerate(pool.block_hashes) if h is not None}
+        assert {pool.cached[h]: h for h in hashed.values()} == hashed, "the hash map and the blocks disagree"
     for _ in range(2000):  # run the rest to completion: nothing may get stuck
         if not sched.has_unfinished:
             break

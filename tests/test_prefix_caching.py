@@ -71,15 +71,18 @@ def test_batched_requests_with_shared_prefixes_under_preemption_match_the_uncach
 def test_server_exports_prefix_cache_counters(llama_dir):
     prompt = "The same long system prompt, repeated for every request of an application. " * 4
     with live_server(llama_dir) as server:
+        cached = []
         for suffix in ("First question?", "Second question?"):
             reply = httpx.post(server.url + "/v1/completions", json={
                 "model": MODEL_NAME, "prompt": prompt + suffix, "max_tokens": 3, "temperature": 0}).json()
             assert reply["usage"]["completion_tokens"] == 3
+            cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
         metrics = httpx.get(server.url + "/metrics").text
         server.wait_idle()
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("llmaccel_prefix_cache_")}
-    assert values["llmaccel_prefix_cache_hits_total"] > 0
+    assert cached[0] == 0 and cached[1] > 0 and cached[1] % 16 == 0  # whole blocks of the shared prompt
+    assert values["llmaccel_prefix_cache_hits_total"] == cached[1]
     assert values["llmaccel_prefix_cache_queries_total"] > values["llmaccel_prefix_cache_hits_total"]
 
 

@@ -263,7 +263,8 @@ class LLMEngine:
                                                 delta_text=sample.detokenizer.delta(request.is_finished)))
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
-                             finished=group.finished, metrics=group.metrics)
+                             finished=group.finished, metrics=group.metrics,
+                             num_cached_tokens=group.samples[0].request.num_cached_tokens)
 
     # ---- introspection ------------------------------------------------------------------------------
     @property

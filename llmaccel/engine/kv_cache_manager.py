@@ -92,6 +92,7 @@ class KVCacheManager:
         if self.enable_prefix_caching and request.num_preemptions == 0:
             self.stats.queries += request.num_prompt_tokens
             self.stats.hits += num_cached_tokens
+            request.num_cached_tokens = num_cached_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Hash and register the request's blocks that are now full and computed."""

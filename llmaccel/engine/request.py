@@ -44,6 +44,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained prefix hashes of its full blocks (KVCacheManager)
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

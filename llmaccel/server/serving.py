@@ -247,9 +247,12 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
 
 
 def _usage(job: _Job, outputs) -> p.Usage:
+    outputs = list(outputs)
     completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     prompt = sum(job.prompt_lengths)
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = p.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=cached)
 
 
 def _sse(model: BaseModel, **overrides: object) -> str:

@@ -27,6 +27,13 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV of prompt prefixes seen before (on by default: full blocks are "
                              "hashed with their whole prefix, kept after use and evicted least recently used first)")
+    parser.add_argument("--kv-window", type=int, metavar="W",
+                        help="StreamingLLM: each sequence keeps the KV of its last W tokens (and its --kv-sinks "
+                             "first ones); blocks the window has passed are freed, so KV memory per sequence stays "
+                             "flat however long the conversation (positions stay absolute, up to the model's own "
+                             "maximum)")
+    parser.add_argument("--kv-sinks", type=int, default=4, metavar="S",
+                        help="with --kv-window: the first S tokens (attention sinks) always stay")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
@@ -38,6 +45,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                   kv_window=args.kv_window, kv_sinks=args.kv_sinks,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

@@ -81,10 +81,16 @@ class CacheConfig:
     kv_cache_memory: int = 1 << 30  # bytes; the number of blocks follows from it
     num_kv_blocks: int | None = None  # sets the count directly, overriding kv_cache_memory
     enable_prefix_caching: bool = True  # reuse the KV of identical prompt prefixes (hashed full blocks)
+    kv_window: int | None = None  # StreamingLLM: keep the last kv_window tokens of each sequence ...
+    kv_sinks: int = 4  # ... and its first kv_sinks (attention sinks); blocks wholly between are freed
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_window is not None and self.kv_window < self.block_size:
+            raise ValueError(f"kv_window must be at least the block size ({self.block_size}), got {self.kv_window}")
+        if self.kv_sinks < 0:
+            raise ValueError(f"kv_sinks must be >= 0, got {self.kv_sinks}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.num_kv_blocks is None and self.kv_cache_memory < 1:

@@ -59,8 +59,9 @@ class ModelRunner:
         for item in ordered:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
             input_ids.extend(request.all_token_ids[start:start + count])
-            positions.extend(range(start, start + count))
-            slots.extend(self._slots(request.block_ids, start, start + count))
+            positions.extend(range(start, start + count))  # absolute: RoPE sees the true position
+            table_start = start - self._skipped(request)  # where it lands in the (windowed) block table
+            slots.extend(self._slots(request.block_ids, table_start, table_start + count))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_items.append(item)
@@ -93,6 +94,10 @@ class ModelRunner:
             pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
         return torch.cat(pieces) if pieces else torch.empty(0, device=device)
 
+    def _skipped(self, request: Request) -> int:
+        """Positions a KV window freed from the middle of the request's block table."""
+        return request.num_skipped_blocks * self.block_size
+
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         """KV-pool slots of positions start..end-1 of a sequence whose block table is `block_ids`."""
         bs = self.block_size
@@ -106,12 +111,12 @@ class ModelRunner:
             width = max(len(s.request.block_ids) for s in decodes)
             tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes],
                                   dtype=torch.int32, device=device)
-            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32,
-                                device=device)
+            lens = torch.tensor([s.request.num_computed_tokens + 1 - self._skipped(s.request) for s in decodes],
+                                dtype=torch.int32, device=device)
         spans = []
         offset = len(decodes)
         for item in prefills:
-            start = item.request.num_computed_tokens
+            start = item.request.num_computed_tokens - self._skipped(item.request)
             context_len = start + item.num_new_tokens
             context_slots = None
             if start > 0:

@@ -12,8 +12,9 @@ from llmaccel.engine.scheduler import Scheduler
 from llmaccel.sampling_params import SamplingParams
 
 
-def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens_per_step=64, prefix_caching=False):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens_per_step=64, prefix_caching=False,
+               window=None):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, window=window, sinks=4)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step), kv)
 
 
@@ -104,11 +105,14 @@ operation = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(operation, min_size=1, max_size=60), st.integers(1, 24), st.sampled_from([8, 16, 64]), st.booleans())
-def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_budget, num_blocks, prefix_caching):
-    """Every prompt is 1..n, so with prefix caching on they share prefixes and running requests share blocks."""
+@given(st.lists(operation, min_size=1, max_size=60), st.integers(1, 24), st.sampled_from([8, 16, 64]), st.booleans(),
+       st.sampled_from([None, 8]))
+def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_budget, num_blocks, prefix_caching,
+                                                                     window):
+    """Every prompt is 1..n, so with prefix caching on they share prefixes and running requests share
+    blocks; with a KV window, blocks are also freed from the middle of running sequences."""
     sched = _scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=token_budget,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, window=window)
     pool = sched.kv_cache.pool
     capacity = num_blocks * 4
     live: list[Request] = []

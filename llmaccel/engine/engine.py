@@ -74,12 +74,20 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "
                              f"tokens ({bytes_per_token * block_size} B); raise --kv-cache-memory")
-        limits = [self.spec.max_position_embeddings, num_blocks * block_size]
+        window = config.cache.kv_window
+        # a windowed sequence holds a bounded number of blocks, so only the positions limit its length
+        limits = [self.spec.max_position_embeddings] + ([num_blocks * block_size] if window is None else [])
         if config.scheduler.max_model_len is not None:
             limits.append(config.scheduler.max_model_len)
         if self.spec.sliding_window:  # windowed attention is not implemented yet: stay inside the window
             limits.append(self.spec.sliding_window)
         self.max_model_len = min(limits)
+        if window is not None:
+            per_sequence = cdiv(config.cache.kv_sinks, block_size) + 2 * cdiv(window, block_size) + 1
+            if per_sequence > num_blocks:
+                raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
+                                 f"window and one window-long chunk), but the pool has {num_blocks}; raise "
+                                 "--kv-cache-memory or lower --kv-window")
         self.num_blocks = num_blocks
         quantization, ready = config.model.quantization, None
         saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
@@ -98,7 +106,8 @@ class LLMEngine:
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
                                                  config.model.quant_group_size, config.model.quantize_embedding))
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,
+                                       window, config.cache.kv_sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "

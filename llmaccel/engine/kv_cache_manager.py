@@ -5,6 +5,13 @@ hashes mean equal whole prefixes. The chain starts from a salt naming the model 
 dtype, quantization), so different weights never share KV. A request admitted with a cached prefix
 starts with those blocks and `num_computed_tokens` past them; at least its last prompt token is
 always computed, since its logits give the first output token.
+
+With a KV window (StreamingLLM, `window` and `sinks`), a sequence keeps the blocks of its first
+`sinks` tokens and of its last `window` tokens; each block wholly between them is freed as soon as
+the window passes it, so a conversation of any length holds at most
+cdiv(sinks, block_size) + cdiv(window, block_size) + 1 blocks while it decodes. The block table
+stays dense (sink blocks, then window blocks), and positions stay absolute: keys are cached after
+RoPE, so the kept keys need no recomputation.
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", window: int | None = None, sinks: int = 0) -> None:
         self.block_size = block_size
+        self.window = window
+        self.num_sink_blocks = cdiv(sinks, block_size) if window is not None else 0
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = hashlib.sha256(cache_salt.encode()).digest()
@@ -75,7 +84,8 @@ class KVCacheManager:
         """
         cached = cached or []
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(cached)
+        held = request.num_skipped_blocks + len(request.block_ids) + len(cached)
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
         unused_cached = sum(1 for b in cached if self.pool.ref_counts[b] == 0)  # these leave the free queue
         if needed > self.pool.num_free_blocks - unused_cached:
             return None
@@ -101,14 +111,45 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         hashes = self._block_hashes(request, num_full)
         for index in range(request.num_cached_blocks, num_full):
-            self.pool.cache_block(request.block_ids[index], hashes[index])
+            position = self.table_index(request, index)
+            if position is not None:
+                self.pool.cache_block(request.block_ids[position], hashes[index])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def table_index(self, request: Request, logical_block: int) -> int | None:
+        """Where a sequence's block number `logical_block` sits in its block table (None: freed)."""
+        if logical_block < self.num_sink_blocks:
+            return logical_block
+        if logical_block < self.num_sink_blocks + request.num_skipped_blocks:
+            return None
+        return logical_block - request.num_skipped_blocks
+
+    def release_outside_window(self, request: Request) -> None:
+        """Free the blocks the window has passed (every block wholly between the sinks and the
+        oldest token the next query may see)."""
+        if self.window is None:
+            return
+        first_needed = max(0, request.num_computed_tokens - self.window) // self.block_size
+        num_droppable = first_needed - self.num_sink_blocks - request.num_skipped_blocks
+        if num_droppable <= 0:
+            return
+        start = self.num_sink_blocks
+        dropped = request.block_ids[start:start + num_droppable]
+        del request.block_ids[start:start + num_droppable]
+        request.num_skipped_blocks += num_droppable
+        self.pool.free(list(reversed(dropped)))
+
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens a windowed sequence computes in one step, so its blocks stay bounded."""
+        return self.window
 
     def free(self, request: Request) -> None:
         """Release every block of `request` (tail first) at once."""
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
         request.num_cached_blocks = 0
+        request.num_skipped_blocks = 0
 
     def _block_hashes(self, request: Request, count: int) -> list[bytes]:
         """The chained hashes of the request's first `count` full blocks, extending its memo."""

@@ -26,7 +26,8 @@ class Request:
     """A prompt and its growing output.
 
     `num_computed_tokens` counts tokens whose KV is in the cache; `num_tokens` counts all tokens
-    (prompt + output). The scheduler's only job is to close that gap.
+    (prompt + output). The scheduler's only job is to close that gap. With a KV window, `block_ids`
+    holds the sink blocks and then the window's: the `num_skipped_blocks` between them were freed.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -45,6 +46,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained prefix hashes of its full blocks (KVCacheManager)
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
+        self.num_skipped_blocks = 0  # with a KV window: blocks freed between the sinks and the window
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

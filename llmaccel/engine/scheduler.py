@@ -66,7 +66,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -84,7 +84,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, cached) is None:
                 break
             self.kv_cache.record_admission(request, num_cached_tokens)
@@ -94,6 +94,10 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        limit = self.kv_cache.max_chunk
+        return min(remaining, budget) if limit is None else min(remaining, budget, limit)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -114,6 +118,7 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
+            self.kv_cache.release_outside_window(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -94,6 +94,22 @@ class ModelRunner:
             pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
         return torch.cat(pieces) if pieces else torch.empty(0, device=device)
 
+    @torch.inference_mode()
+    def chunk_logprobs(self, request: Request, count: int) -> torch.Tensor:
+        """Compute the next `count` tokens of `request` (its blocks allocated) as one prefill chunk;
+        returns log p(token[i + 1] | ...) for each position i of the chunk that has a next token."""
+        start, device = request.num_computed_tokens, self.device
+        item = ScheduledRequest(request, count)
+        table_start = start - self._skipped(request)
+        slots = self._slots(request.block_ids, table_start, table_start + count)
+        ids = request.all_token_ids
+        hidden = self.model(torch.tensor(ids[start:start + count], device=device),
+                            torch.arange(start, start + count, device=device),
+                            self._metadata([], [item], slots), self.kv_caches)
+        targets = torch.tensor(ids[start + 1:start + count + 1], device=device)
+        logits = self.model.compute_logits(hidden[:len(targets)])
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+
     def _skipped(self, request: Request) -> int:
         """Positions a KV window freed from the middle of the request's block table."""
         return request.num_skipped_blocks * self.block_size

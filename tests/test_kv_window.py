@@ -88,3 +88,16 @@ def test_windowed_decoding_agrees_between_the_paged_kernel_and_the_torch_referen
     assert kernel.engine.runner.model.attention.uses_kernel and not reference.engine.runner.model.attention.uses_kernel
     assert kernel.generate(prompt, params)[0].outputs[0].token_ids == \
         reference.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_windowed_scoring_holds_few_blocks_and_matches_full_attention_in_its_first_window(long_context_dir):
+    ids = [(i * 37) % 390 + 5 for i in range(600)]
+    full = LLM(str(long_context_dir)).engine
+    windowed = LLM(str(long_context_dir), kv_window=64, kv_sinks=4, num_kv_blocks=32).engine
+    want, got = torch.tensor(full.score(ids)), torch.tensor(windowed.score(ids))
+    assert full.last_score_blocks == 600 // 16 + 1
+    assert windowed.last_score_blocks <= 1 + 2 * 4 + 1  # sinks, window, one window-long chunk
+    assert got.shape == want.shape
+    assert (got[:63] - want[:63]).abs().max() < 1e-4  # the first chunk sees everything before it
+    assert (got[200:] - want[200:]).abs().max() > 1e-3  # later tokens no longer see the middle
+    assert windowed.num_free_blocks == windowed.num_blocks

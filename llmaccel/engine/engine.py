@@ -119,6 +119,7 @@ class LLMEngine:
         self._counter = 0
         self.num_steps = 0
         self.last_step = StepStats(0, 0)
+        self.last_score_blocks = 0
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -170,15 +171,37 @@ class LLMEngine:
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.
 
-        One prefill outside the scheduler, on blocks lent from the pool: call it between steps."""
+        One prefill outside the scheduler, on blocks lent from the pool: call it between steps. With
+        a KV window the text goes through in window-long chunks, each seeing only the sinks and the
+        window, as a long conversation would. `last_score_blocks` says how many blocks it held at most."""
         self.check_prompt(token_ids)
+        if self.kv_cache.window is not None:
+            return self._score_windowed(token_ids)
         blocks = self.kv_cache.pool.allocate(cdiv(len(token_ids), self.kv_cache.block_size))
         if blocks is None:
             raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
+        self.last_score_blocks = len(blocks)
         try:
             return self.runner.prompt_logprobs(token_ids, blocks).tolist()
         finally:
             self.kv_cache.pool.free(blocks)
+
+    def _score_windowed(self, token_ids: list[int]) -> list[float]:
+        request = Request("score", token_ids, SamplingParams(max_tokens=1))
+        logprobs: list[float] = []
+        self.last_score_blocks = 0
+        try:
+            while request.num_computed_tokens < len(token_ids):
+                count = min(self.kv_cache.window, len(token_ids) - request.num_computed_tokens)
+                if self.kv_cache.allocate_slots(request, count) is None:
+                    raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
+                self.last_score_blocks = max(self.last_score_blocks, len(request.block_ids))
+                logprobs += self.runner.chunk_logprobs(request, count).tolist()
+                request.num_computed_tokens += count
+                self.kv_cache.release_outside_window(request)
+        finally:
+            self.kv_cache.free(request)
+        return logprobs
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"), help="evaluate this weight-only variant")
     parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: largest dividing each layer)")
     parser.add_argument("--quantize-embedding", action="store_true", help="the embedding and LM head in INT8 too")
+    parser.add_argument("--kv-window", type=int, metavar="W",
+                        help="score through a StreamingLLM KV window: each --ctx window goes through in W-token "
+                             "chunks that see only the --kv-sinks first tokens and the last W")
+    parser.add_argument("--kv-sinks", type=int, default=4, metavar="S", help="attention sinks kept with --kv-window")
     parser.add_argument("--corpus", action="append", required=True,
                         help=f"a UTF-8 text file or a named corpus ({', '.join(NAMED_CORPORA)}); repeatable")
     parser.add_argument("--max-tokens", type=int, default=50_000, help="score the first this many tokens")
@@ -58,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class PerplexityResult:
     perplexity: float
     num_tokens: int
+    peak_blocks: int = 0  # the most KV blocks one window held while it was scored
 
 
 def perplexity(engine, text: str, max_tokens: int, ctx: int, stride: int, progress: bool = True) -> PerplexityResult:
@@ -68,18 +73,19 @@ def perplexity(engine, text: str, max_tokens: int, ctx: int, stride: int, progre
     ids = engine.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
     if len(ids) < 2:
         raise ValueError("the corpus has fewer than 2 tokens")
-    total, count, scored_until = 0.0, 0, 1  # position 0 has no context and is never scored
+    total, count, scored_until, peak_blocks = 0.0, 0, 1, 0  # position 0 has no context and is never scored
     starts = range(0, max(1, len(ids) - 1), stride)
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress):
         end = min(begin + ctx, len(ids))
         logprobs = engine.score(ids[begin:end])  # logprobs[j] scores ids[begin + j + 1]
+        peak_blocks = max(peak_blocks, engine.last_score_blocks)
         first_new = scored_until - begin - 1
         total -= sum(logprobs[first_new:])
         count += len(logprobs) - first_new
         scored_until = end
         if end == len(ids):
             break
-    return PerplexityResult(math.exp(total / count), count)
+    return PerplexityResult(math.exp(total / count), count, peak_blocks)
 
 
 def weight_bytes(model) -> int:
@@ -116,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
         for name, text in texts.items():
             result = perplexity(llm.engine, text, args.max_tokens, args.ctx, args.stride, not args.no_progress)
             row[name] = result
-            print(f"{label} {name}: perplexity {result.perplexity:.4f} over {result.num_tokens} tokens",
-                  file=sys.stderr)
+            print(f"{label} {name}: perplexity {result.perplexity:.4f} over {result.num_tokens} tokens; KV blocks "
+                  f"held at most {result.peak_blocks}", file=sys.stderr)
         if with_speed:
             row["batch1"], row["batch32"] = decode_speed(llm, 1), decode_speed(llm, 32)
         rows.append(row)
@@ -134,11 +140,14 @@ def _variants(args: argparse.Namespace) -> dict[str, dict]:
         from llmaccel.quantization.checkpoint import read_quantization_config
 
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
-                   "quantize_embedding": args.quantize_embedding or None}
+                   "quantize_embedding": args.quantize_embedding or None, "kv_window": args.kv_window,
+                   "kv_sinks": args.kv_sinks if args.kv_window else None}
         path = resolve_model_path(args.model)
         saved = read_quantization_config(path) if path.is_dir() else None
         label = args.quantization or (f"{saved['method']} (saved)" if saved else "fp32")
-        return {label + ("+emb8" if args.quantize_embedding else ""): {k: v for k, v in options.items() if v}}
+        label += ("+emb8" if args.quantize_embedding else "") + (f" kv-window {args.kv_window}" if args.kv_window
+                                                                   else "")
+        return {label: {k: v for k, v in options.items() if v is not None and v is not False}}
     from llmaccel.model.loader import resolve_model_path
 
     is_gguf = resolve_model_path(args.model).suffix.lower() == ".gguf"

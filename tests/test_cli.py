@@ -47,3 +47,7 @@ def test_bench_offline_runs_all_three_systems(llama_dir, tmp_path):
     assert all(r["output_tokens"] == 12 for r in data["results"])
     assert data["results"][1]["generated_tokens"] == 12
     assert "vs HF static batch" in result.stdout
+    llmaccel = data["results"][2]
+    assert llmaccel["prefix_cache_queries"] == llmaccel["prompt_tokens"]  # the chat template's shared start hits
+    assert 0 < llmaccel["prefix_cache_hits"] < llmaccel["prompt_tokens"]
+    assert "llmaccel: prefix cache hits" in result.stdout

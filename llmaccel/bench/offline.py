@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 SYSTEMS = ("hf-sequential", "hf-static-batch", "llmaccel")
@@ -70,9 +71,12 @@ def _run_worker(args: argparse.Namespace) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens)
         llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         params = [SamplingParams(temperature=0, max_tokens=t, ignore_eos=True) for t in targets]
+        before = replace(llm.engine.prefix_cache_stats)
         start = time.perf_counter()
         outputs = llm.generate(prompt_ids, params, use_tqdm=True)
         wall = time.perf_counter() - start
+        after = llm.engine.prefix_cache_stats
+        extra = {"prefix_cache_queries": after.queries - before.queries, "prefix_cache_hits": after.hits - before.hits}
         produced = [len(o.outputs[0].token_ids) for o in outputs]
         assert produced == targets, "llmaccel did not generate the target lengths"
         generated = sum(produced)
@@ -92,6 +96,7 @@ def _run_worker(args: argparse.Namespace) -> dict:
             with torch.no_grad():
                 model.generate(ids, attention_mask=mask, generation_config=config)
 
+        extra = {}
         generate([prompt_ids[0]], 4)  # warm-up
         from tqdm.auto import tqdm
 
@@ -112,7 +117,8 @@ def _run_worker(args: argparse.Namespace) -> dict:
     return {"system": args.worker, "wall_s": wall, "output_tokens": useful, "generated_tokens": generated,
             "output_tokens_per_s": useful / wall, "prompt_tokens": sum(len(p) for p in prompt_ids),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "num_prompts": len(prompt_ids), "targets_median": statistics.median(targets), "targets_max": max(targets)}
+            "num_prompts": len(prompt_ids), "targets_median": statistics.median(targets), "targets_max": max(targets),
+            **extra}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,3 +176,7 @@ def _print_table(results: list[dict], args: argparse.Namespace) -> None:
         table.add_row(r["system"], f"{r['wall_s']:.1f}", f"{r['output_tokens_per_s']:.1f}", ratio_seq, ratio_static,
                       f"{r['peak_rss_bytes'] / 2**20:.0f} MiB")
     Console(width=120).print(table)
+    for r in results:
+        if r.get("prefix_cache_queries"):
+            print(f"{r['system']}: prefix cache hits {r['prefix_cache_hits']} of {r['prefix_cache_queries']} prompt "
+                  f"tokens ({r['prefix_cache_hits'] / r['prefix_cache_queries']:.0%})")

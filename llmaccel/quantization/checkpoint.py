@@ -101,7 +101,8 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
             groups[base] = weight.group_size
     out.mkdir(parents=True, exist_ok=True)
     for item in hf_dir.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and not item.name.endswith(".index.json"):
+        if (item.is_file() and item.suffix != ".safetensors" and not item.name.endswith(".index.json")
+                and not item.name.startswith("llmaccel-")):  # the GGUF conversion cache's own marker
             shutil.copy2(item, out / item.name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {"method": method, "group_sizes": groups, "embedding": "int8" if quantize_embedding else None,

@@ -61,6 +61,17 @@ class _Abort:
     request_id: str
 
 
+async def next_before_deadline(queue: asyncio.Queue, deadline: float | None, request_id: str):
+    """The next item of a request's output queue, or RequestTimeoutError once `deadline` (event-loop
+    time; None: never) has passed."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await queue.get()
+    except TimeoutError:
+        raise RequestTimeoutError(f"request {request_id} passed its deadline and was aborted; "
+                                  "raise --request-timeout or ask for fewer tokens") from None
+
+
 class RequestStream:
     """Outputs of one request, in order; iterate with `async for`. Closing it early aborts."""
 
@@ -80,12 +91,7 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                try:
-                    async with asyncio.timeout_at(self._deadline):
-                        item = await self._queue.get()
-                except TimeoutError:
-                    raise RequestTimeoutError(f"request {self.request_id} passed its deadline and was aborted; "
-                                              "raise --request-timeout or ask for fewer tokens") from None
+                item = await next_before_deadline(self._queue, self._deadline, self.request_id)
                 if isinstance(item, BaseException):
                     raise item
                 self.finished = item.finished

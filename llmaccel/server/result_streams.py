@@ -13,8 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from llmaccel.cache.result_cache import ResultCache
-from llmaccel.engine.async_engine import RequestStream
-from llmaccel.errors import RequestTimeoutError
+from llmaccel.engine.async_engine import RequestStream, next_before_deadline
 from llmaccel.outputs import RequestOutput
 
 
@@ -99,12 +98,7 @@ class FlightSubscriber:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                try:
-                    async with asyncio.timeout_at(self._deadline):
-                        item = await self.queue.get()
-                except TimeoutError:
-                    raise RequestTimeoutError(f"request {self.request_id} passed its deadline and was aborted; "
-                                              "raise --request-timeout or ask for fewer tokens") from None
+                item = await next_before_deadline(self.queue, self._deadline, self.request_id)
                 if item is None:
                     if self.flight.error is not None:
                         raise self.flight.error

@@ -77,27 +77,10 @@ class ModelRunner:
         return {item.request.request_id: (tokens[i], logprobs[i]) for i, item in enumerate(sampled_items)}
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int], block_ids: list[int], chunk: int = 256) -> torch.Tensor:
-        """log p(token[i] | token[:i]) for i = 1..n-1, from one prefill written into `block_ids`
-        (which the caller lends from the pool). Logits are taken `chunk` rows at a time."""
-        n, device = len(token_ids), self.device
-        slots = self._slots(block_ids, 0, n)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                                 num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None,
-                                 prefills=[PrefillSpan(0, n, n, None)], block_size=self.block_size)
-        ids = torch.tensor(token_ids, device=device)
-        hidden = self.model(ids, torch.arange(n, device=device), meta, self.kv_caches)
-        pieces = []
-        for start in range(0, n - 1, chunk):
-            logits = self.model.compute_logits(hidden[start:min(start + chunk, n - 1)])
-            targets = ids[start + 1:start + 1 + logits.shape[0]]
-            pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
-        return torch.cat(pieces) if pieces else torch.empty(0, device=device)
-
-    @torch.inference_mode()
-    def chunk_logprobs(self, request: Request, count: int) -> torch.Tensor:
+    def chunk_logprobs(self, request: Request, count: int, rows: int = 256) -> torch.Tensor:
         """Compute the next `count` tokens of `request` (its blocks allocated) as one prefill chunk;
-        returns log p(token[i + 1] | ...) for each position i of the chunk that has a next token."""
+        returns log p(token[i + 1] | ...) for each position i of the chunk that has a next token.
+        Logits are taken `rows` rows at a time, so a long chunk never holds [count, vocab] at once."""
         start, device = request.num_computed_tokens, self.device
         item = ScheduledRequest(request, count)
         table_start = start - self._skipped(request)
@@ -107,8 +90,12 @@ class ModelRunner:
                             torch.arange(start, start + count, device=device),
                             self._metadata([], [item], slots), self.kv_caches)
         targets = torch.tensor(ids[start + 1:start + count + 1], device=device)
-        logits = self.model.compute_logits(hidden[:len(targets)])
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        pieces = []
+        for first in range(0, len(targets), rows):
+            logits = self.model.compute_logits(hidden[first:min(first + rows, len(targets))])
+            pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[first:first + len(logits), None])
+                          .squeeze(1))
+        return torch.cat(pieces) if pieces else torch.empty(0, device=device)
 
     def _skipped(self, request: Request) -> int:
         """Positions a KV window freed from the middle of the request's block table."""

@@ -171,28 +171,18 @@ class LLMEngine:
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.
 
-        One prefill outside the scheduler, on blocks lent from the pool: call it between steps. With
-        a KV window the text goes through in window-long chunks, each seeing only the sinks and the
-        window, as a long conversation would. `last_score_blocks` says how many blocks it held at most."""
+        Prefill outside the scheduler, on blocks lent from the pool: call it between steps. The text
+        goes through in one chunk, or with a KV window in window-long chunks, each seeing only the
+        sinks and the window, as a long conversation would. `last_score_blocks` says how many blocks
+        it held at most."""
         self.check_prompt(token_ids)
-        if self.kv_cache.window is not None:
-            return self._score_windowed(token_ids)
-        blocks = self.kv_cache.pool.allocate(cdiv(len(token_ids), self.kv_cache.block_size))
-        if blocks is None:
-            raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
-        self.last_score_blocks = len(blocks)
-        try:
-            return self.runner.prompt_logprobs(token_ids, blocks).tolist()
-        finally:
-            self.kv_cache.pool.free(blocks)
-
-    def _score_windowed(self, token_ids: list[int]) -> list[float]:
         request = Request("score", token_ids, SamplingParams(max_tokens=1))
+        chunk = self.kv_cache.max_chunk or len(token_ids)
         logprobs: list[float] = []
         self.last_score_blocks = 0
         try:
             while request.num_computed_tokens < len(token_ids):
-                count = min(self.kv_cache.window, len(token_ids) - request.num_computed_tokens)
+                count = min(chunk, len(token_ids) - request.num_computed_tokens)
                 if self.kv_cache.allocate_slots(request, count) is None:
                     raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
                 self.last_score_blocks = max(self.last_score_blocks, len(request.block_ids))

@@ -93,13 +93,13 @@ class Int8Linear(nn.Module):
             use_kernel = _kernel_device(device) and int8_kernel_available(device.type)
         self.use_kernel = use_kernel
         self.scale = weight.scale.to(device)
-        self.scale_bf16 = self.scale.bfloat16()
         if self.group_size is None:
             self.q = weight.q.to(device)
+            self.scale_bf16 = self.scale.bfloat16()
         else:  # [K / G, N, G]: each group's columns contiguous, one kernel call per group
             n, k, g = self.out_features, self.in_features, self.group_size
             self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
-            self.scale_groups = self.scale_bf16.t().contiguous()
+            self.scale_groups = self.scale.t().bfloat16().contiguous()  # [K / G, N]
 
     @property
     def weight_bytes(self) -> int:

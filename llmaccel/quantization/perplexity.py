@@ -135,22 +135,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _variants(args: argparse.Namespace) -> dict[str, dict]:
+    """Label -> engine options of every variant to evaluate (one without --compare)."""
+    from llmaccel.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
     if not args.compare:
-        from llmaccel.model.loader import resolve_model_path
         from llmaccel.quantization.checkpoint import read_quantization_config
 
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
                    "quantize_embedding": args.quantize_embedding or None, "kv_window": args.kv_window,
                    "kv_sinks": args.kv_sinks if args.kv_window else None}
-        path = resolve_model_path(args.model)
         saved = read_quantization_config(path) if path.is_dir() else None
         label = args.quantization or (f"{saved['method']} (saved)" if saved else "fp32")
-        label += ("+emb8" if args.quantize_embedding else "") + (f" kv-window {args.kv_window}" if args.kv_window
-                                                                   else "")
-        return {label: {k: v for k, v in options.items() if v is not None and v is not False}}
-    from llmaccel.model.loader import resolve_model_path
-
-    is_gguf = resolve_model_path(args.model).suffix.lower() == ".gguf"
+        label += "+emb8" if args.quantize_embedding else ""
+        label += f" kv-window {args.kv_window}" if args.kv_window else ""
+        return {label: {k: v for k, v in options.items() if v is not None}}
+    is_gguf = path.suffix.lower() == ".gguf"
     variants = {k: v for k, v in VARIANTS.items() if is_gguf or v.get("quantization") != "gguf"}
     if args.variants:
         chosen = ["fp32"] + [v.strip() for v in args.variants.split(",") if v.strip() and v.strip() != "fp32"]

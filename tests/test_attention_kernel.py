@@ -11,7 +11,8 @@ from llmaccel.ops.cpu_kernels import load_cpu_kernels
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4)])
-def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 33])
+def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, window):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler here: the engine falls back to the reference")
@@ -24,8 +25,8 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size)
     tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width).to(torch.int32)
     q = torch.randn(len(lens), num_heads, head_dim)
     scale = head_dim**-0.5
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale)
-    want = reference_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window or 0, scale)
+    want = reference_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -74,20 +74,24 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "
                              f"tokens ({bytes_per_token * block_size} B); raise --kv-cache-memory")
-        window = config.cache.kv_window
+        window, sinks = config.cache.kv_window, config.cache.kv_sinks
+        if window is not None and self.spec.sliding_window:
+            raise ValueError(f"{config.model.model} attends within its own sliding window of "
+                             f"{self.spec.sliding_window} tokens ({len(self.spec.sliding_layers)} of "
+                             f"{self.spec.num_layers} layers); --kv-window is for models with full attention")
+        if window is None and self.spec.kv_window:  # every layer slides: free the blocks the window has passed
+            window, sinks = self.spec.kv_window, 0
         # a windowed sequence holds a bounded number of blocks, so only the positions limit its length
-        limits = [self.spec.max_position_embeddings] + ([num_blocks * block_size] if window is None else [])
+        per_sequence = cdiv(sinks, block_size) + 2 * cdiv(window, block_size) + 1 if window else None
+        if config.cache.kv_window is not None and per_sequence > num_blocks:
+            raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
+                             f"window and one window-long chunk), but the pool has {num_blocks}; raise "
+                             "--kv-cache-memory or lower --kv-window")
+        bounded = per_sequence is not None and per_sequence <= num_blocks
+        limits = [self.spec.max_position_embeddings] + ([] if bounded else [num_blocks * block_size])
         if config.scheduler.max_model_len is not None:
             limits.append(config.scheduler.max_model_len)
-        if self.spec.sliding_window:  # windowed attention is not implemented yet: stay inside the window
-            limits.append(self.spec.sliding_window)
         self.max_model_len = min(limits)
-        if window is not None:
-            per_sequence = cdiv(config.cache.kv_sinks, block_size) + 2 * cdiv(window, block_size) + 1
-            if per_sequence > num_blocks:
-                raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
-                                 f"window and one window-long chunk), but the pool has {num_blocks}; raise "
-                                 "--kv-cache-memory or lower --kv-window")
         self.num_blocks = num_blocks
         quantization, ready = config.model.quantization, None
         saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
@@ -107,7 +111,7 @@ class LLMEngine:
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
                                                  config.model.quant_group_size, config.model.quantize_embedding))
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,
-                                       window, config.cache.kv_sinks)
+                                       window, sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "

@@ -11,7 +11,10 @@ With a KV window (StreamingLLM, `window` and `sinks`), a sequence keeps the bloc
 the window passes it, so a conversation of any length holds at most
 cdiv(sinks, block_size) + cdiv(window, block_size) + 1 blocks while it decodes. The block table
 stays dense (sink blocks, then window blocks), and positions stay absolute: keys are cached after
-RoPE, so the kept keys need no recomputation.
+RoPE, so the kept keys need no recomputation. A model whose every layer slides (Mistral's
+`sliding_window`) runs the same way with no sinks: its attention masks keys to the exact window, and
+the blocks before it are never read again. A windowed request admitted on a long cached prefix takes
+only the prefix blocks its window still reaches.
 """
 
 from __future__ import annotations
@@ -86,16 +89,33 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         held = request.num_skipped_blocks + len(request.block_ids) + len(cached)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
-        unused_cached = sum(1 for b in cached if self.pool.ref_counts[b] == 0)  # these leave the free queue
+        kept, skipped = self._cut_to_window(cached, num_computed)
+        unused_cached = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # these leave the free queue
         if needed > self.pool.num_free_blocks - unused_cached:
             return None
         if cached:
-            self.pool.touch(cached)
-            request.block_ids = list(cached)
+            self.pool.touch(kept)
+            request.block_ids = kept
+            request.num_skipped_blocks = skipped
             request.num_computed_tokens = num_computed
         new_blocks = self.pool.allocate(max(needed, 0)) or []
         request.block_ids.extend(new_blocks)
         return new_blocks
+
+    def _cut_to_window(self, cached: list[int], num_computed: int) -> tuple[list[int], int]:
+        """The cached prefix blocks a request starting at `num_computed` still needs (sinks and window),
+        and how many between them it skips."""
+        skipped = self._num_outside_window(num_computed, 0)
+        start = self.num_sink_blocks
+        return cached[:start] + cached[start + skipped:], skipped
+
+    def _num_outside_window(self, num_computed: int, num_skipped: int) -> int:
+        """Blocks after the sinks that the next query (at position `num_computed`) no longer sees,
+        beyond the `num_skipped` already freed."""
+        if self.window is None:
+            return 0
+        first_needed = max(0, num_computed - self.window) // self.block_size
+        return max(0, first_needed - self.num_sink_blocks - num_skipped)
 
     def record_admission(self, request: Request, num_cached_tokens: int) -> None:
         """Count a fresh request's prompt lookup (re-admissions after preemption are not queries)."""
@@ -127,11 +147,8 @@ class KVCacheManager:
     def release_outside_window(self, request: Request) -> None:
         """Free the blocks the window has passed (every block wholly between the sinks and the
         oldest token the next query may see)."""
-        if self.window is None:
-            return
-        first_needed = max(0, request.num_computed_tokens - self.window) // self.block_size
-        num_droppable = first_needed - self.num_sink_blocks - request.num_skipped_blocks
-        if num_droppable <= 0:
+        num_droppable = self._num_outside_window(request.num_computed_tokens, request.num_skipped_blocks)
+        if num_droppable == 0:
             return
         start = self.num_sink_blocks
         dropped = request.block_ids[start:start + num_droppable]

@@ -20,8 +20,9 @@ from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, qkv: nn.Module, o: nn.Module, mlp: GatedMLP, input_norm: RMSNorm,
-                 post_norm: RMSNorm) -> None:
+                 post_norm: RMSNorm, window: int | None) -> None:
         super().__init__()
+        self.window = window  # sliding-window attention, or None
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -37,7 +38,7 @@ class DecoderLayer(nn.Module):
         qk = rotary(positions, qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
         hidden = residual + self.o(attn.reshape(num_tokens, self.q_size))
         return hidden + self.mlp(self.post_norm(hidden))
 
@@ -90,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
             input_norm.weight.data = take(p + "input_layernorm.weight")
             post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             post_norm.weight.data = take(p + "post_attention_layernorm.weight")
-            layers.append(DecoderLayer(spec, qkv, o, mlp, input_norm, post_norm))
+            layers.append(DecoderLayer(spec, qkv, o, mlp, input_norm, post_norm, spec.layer_window(i)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")

@@ -33,7 +33,8 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers that slide (Mistral: all; Qwen2: the upper ones)
+    sliding_layers: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -57,8 +58,8 @@ class ModelSpec:
                 scaling = None
             eos = config.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
             is_qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+            window, sliding_layers = _sliding_window(config, int(config["num_hidden_layers"]), is_qwen2)
             return cls(
                 architecture=arch,
                 model_type=SUPPORTED_ARCHITECTURES[arch],
@@ -77,13 +78,41 @@ class ModelSpec:
                 qkv_bias=is_qwen2 or bool(config.get("attention_bias", False)),
                 o_bias=not is_qwen2 and bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
-                sliding_window=int(window) if window else None,
+                sliding_window=window,
+                sliding_layers=sliding_layers,
                 eos_token_ids=eos_ids,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{source}: missing or invalid field ({exc})") from exc
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within, or None for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides: then no layer ever reads a key older than it, and the
+        KV cache may free those blocks. A model mixing in full-attention layers must keep them all."""
+        return self.sliding_window if len(self.sliding_layers) == self.num_layers else None
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, at 4 bytes per element (scaled by dtype)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _sliding_window(config: dict, num_layers: int, is_qwen2: bool) -> tuple[int | None, tuple[int, ...]]:
+    """The declared sliding window and the layers it applies to, as transformers reads them: the
+    config's `layer_types` where given; otherwise Qwen2 slides from layer `max_window_layers` on (and
+    only with `use_sliding_window`), Mistral in every layer."""
+    window = config.get("sliding_window")
+    if not window or (is_qwen2 and not config.get("use_sliding_window", False)):
+        return None, ()
+    layer_types = config.get("layer_types")
+    if layer_types:
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    elif is_qwen2:
+        layers = tuple(range(int(config.get("max_window_layers", 28)), num_layers))
+    else:
+        layers = tuple(range(num_layers))
+    return (int(window), layers) if layers else (None, ())

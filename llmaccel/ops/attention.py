@@ -4,6 +4,11 @@ The batch is laid out as [decode tokens | prefill chunks]: sequences that feed o
 come first and are handled together by a paged decode kernel (C++ on the CPU, the torch reference
 elsewhere); each prefill chunk then attends causally to its cached context plus itself. New keys and
 values are written into the pool at `slot_mapping` before attention reads it.
+
+A sliding-window layer (Mistral's `sliding_window`) passes `window`: the query at position p then sees
+only keys p - window + 1 .. p, as HF masks them. Positions are measured in the block table, which is
+exact because a windowed table is contiguous over at least its last `window` keys (the KV cache
+manager frees only blocks the window has passed).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class AttentionMetadata:
 
 def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int | None = None) -> torch.Tensor:
     """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     max_len = int(context_lens.max())
@@ -46,6 +51,8 @@ def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     blocks = block_tables.long()[:, positions // block_size]
     slots = blocks * block_size + positions % block_size
     valid = positions[None, :] < context_lens[:, None].long()
+    if window is not None:
+        valid &= positions[None, :] >= context_lens[:, None].long() - window
     slots = torch.where(valid, slots, slots[:, :1])  # pad with a real slot: finite values, masked out
     keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
     values = v_cache[slots].transpose(1, 2)
@@ -71,8 +78,9 @@ class PagedAttention:
         return self._decode_kernel is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]; `window`: the layer's sliding
+        window, if it has one. Returns [T, H, D]."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         parts = []
@@ -81,29 +89,36 @@ class PagedAttention:
             q_decode = q[:num_decode]
             if self._decode_kernel is not None:
                 parts.append(self._decode_kernel(q_decode.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_context_lens, meta.block_size, self.scale))
+                                                 meta.decode_context_lens, meta.block_size, window or 0,
+                                                 self.scale))
             else:
                 parts.append(reference_decode_attention(q_decode, k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, meta.block_size, self.scale))
+                                                        meta.decode_context_lens, meta.block_size, self.scale,
+                                                        window))
         for span in meta.prefills:
-            parts.append(self._prefill(q, k, v, k_cache, v_cache, span))
+            parts.append(self._prefill(q, k, v, k_cache, v_cache, span, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+                 v_cache: torch.Tensor, span: PrefillSpan, window: int | None) -> torch.Tensor:
         end = span.start + span.num_tokens
         q_span = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if span.context_slots is None:  # the chunk is the whole context: plain causal attention
+        if span.context_slots is None:  # the chunk is the whole context
             keys = k[span.start:end].transpose(0, 1).unsqueeze(0)
             values = v[span.start:end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
-                                                 enable_gqa=True)
-        else:  # earlier chunks are cached: query i sees keys up to context_len - num_tokens + i
+        else:  # earlier chunks are cached
             keys = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
             values = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
-            offset = span.context_len - span.num_tokens
+        offset = span.context_len - span.num_tokens
+        if offset == 0 and (window is None or window >= span.num_tokens):  # plain causal attention
+            out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=True)
+        else:  # query i sits at offset + i: it sees the keys up to there (and within the window)
             rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset
-            mask = torch.arange(span.context_len, device=q.device)[None, :] <= rows
+            columns = torch.arange(span.context_len, device=q.device)[None, :]
+            mask = columns <= rows
+            if window is not None:
+                mask &= columns > rows - window
             out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)

@@ -27,18 +27,19 @@ static inline float dot(const float* a, const scalar_t* b, int64_t n) {
   return sum;
 }
 
-// Calls visit(row, t) for the rows of tokens 0..len-1 of one sequence, block by block, prefetching
-// row j of the next block while row j of this one is visited.
+// Calls visit(row, t - first) for the rows of tokens first..len-1 of one sequence, block by block,
+// prefetching row j of the next block while row j of this one is visited.
 template <typename scalar_t, typename Visit>
-static inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t len, int64_t block_size,
-                                int64_t block_elems, int64_t row_stride, int64_t row_bytes, Visit visit) {
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+static inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
+                                int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t row_bytes,
+                                Visit visit) {
+  for (int64_t t0 = first - first % block_size; t0 < len; t0 += block_size) {
     const scalar_t* block = cache + table[t0 / block_size] * block_elems;
     const scalar_t* next = t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_elems : nullptr;
     const int64_t n = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
       if (next) prefetch_row(next, j, row_bytes);
-      visit(block + j * row_stride, t0 + j);
+      visit(block + j * row_stride, t0 + j - first);
     }
   }
 }
@@ -47,7 +48,7 @@ template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, float scale) {
+                          int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
@@ -61,11 +62,13 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
     std::vector<float> acc(num_heads * head_dim), qf(num_heads * head_dim), scores(num_heads * max_len);
     std::vector<float> inv_sum(num_heads);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = context_lens[seq];
+      const int64_t context_len = context_lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t len = context_len - first;  // keys this query sees: the last `window` ones, or all
       const int32_t* table = block_tables + seq * max_blocks;
       const scalar_t* q_seq = q + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
-      for_each_row(k_cache, table, len, block_size, block_elems, row_stride, row_bytes,
+      for_each_row(k_cache, table, first, context_len, block_size, block_elems, row_stride, row_bytes,
                    [&](const scalar_t* row, int64_t t) {
                      for (int64_t h = 0; h < num_heads; ++h)
                        scores[h * len + t] = dot(qf.data() + h * head_dim, row + (h / group) * head_dim, head_dim);
@@ -82,7 +85,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
         inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_row(v_cache, table, len, block_size, block_elems, row_stride, row_bytes,
+      for_each_row(v_cache, table, first, context_len, block_size, block_elems, row_stride, row_bytes,
                    [&](const scalar_t* row, int64_t t) {
                      for (int64_t h = 0; h < num_heads; ++h) {
                        const scalar_t* v_row = row + (h / group) * head_dim;
@@ -100,10 +103,11 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 }
 
 // q: [S, H, D]; k_cache, v_cache: [num_slots, KVH, D] with slot = block * block_size + offset;
-// block_tables: [S, max_blocks] int32; context_lens: [S] int32 (keys visible to each query).
+// block_tables: [S, max_blocks] int32; context_lens: [S] int32 (keys in each table). With window > 0
+// (a sliding-window layer) each query sees only the last `window` of its keys.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
@@ -115,7 +119,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                            q.size(0), q.size(1), k_cache.size(1), q.size(2), block_size, tables.size(1),
+                            q.size(0), q.size(1), k_cache.size(1), q.size(2), block_size, tables.size(1), window,
                             static_cast<float>(scale));
   });
   return out;

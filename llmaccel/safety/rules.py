@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path
 
@@ -33,7 +33,7 @@ DEFAULT_RULES = "default"
 _GAP = r"[\W_]*"
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     BLOCK = "block"
     FLAG = "flag"
     REDACT = "redact"

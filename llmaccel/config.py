@@ -154,6 +154,11 @@ class ServerConfig:
     result_cache_memory: int = 64 << 20  # bytes held in memory
     result_cache_path: str | None = None  # SQLite file that keeps results across restarts
     result_cache_ttl_s: float | None = None  # entries older than this are misses; None: no expiry
+    safety_rules: tuple[str, ...] = ("default",)  # input-filter rule files ("default": the shipped set); (): off
+    max_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
+    max_prompt_chars: int | None = 65536  # longer prompts (all messages together) get HTTP 400
+    rate_limit_requests: int | None = None  # requests per minute per API key (or client address); None: no limit
+    rate_limit_tokens: int | None = None  # prompt + completion tokens per minute per API key; None: no limit
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -174,3 +179,8 @@ class ServerConfig:
             raise ValueError(f"quality_check_interval_s must be > 0, got {self.quality_check_interval_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.max_body_bytes < 1 or (self.max_prompt_chars is not None and self.max_prompt_chars < 1):
+            raise ValueError("max_body_bytes and max_prompt_chars must be >= 1")
+        for name in ("rate_limit_requests", "rate_limit_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 per minute, got {getattr(self, name)}")

@@ -28,6 +28,14 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit the context window."""
 
 
+class ContentFilterError(InvalidRequestError):
+    """A safety rule with the action `block` matched the prompt (HTTP 400, code content_filter)."""
+
+    def __init__(self, message: str, rule_id: str) -> None:
+        super().__init__(message)
+        self.rule_id = rule_id
+
+
 # Serving conditions: not the caller's input, so not ValueErrors.
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; retry later (HTTP 429)."""

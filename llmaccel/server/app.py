@@ -28,10 +28,20 @@ from llmaccel.cache.result_cache import ResultCache
 from llmaccel.config import ServerConfig
 from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
 from llmaccel.engine.engine import LLMEngine
-from llmaccel.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestTimeoutError
+from llmaccel.errors import (
+    ContentFilterError,
+    EngineDeadError,
+    EngineOverloadedError,
+    PromptTooLongError,
+    RequestTimeoutError,
+)
+from llmaccel.safety.input_filter import InputFilter
+from llmaccel.safety.rate_limit import RateLimiter
+from llmaccel.safety.rules import load_rules
 from llmaccel.server import protocol as p
 from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
+from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.serving import OpenAIServing, error_info
 
 logger = logging.getLogger(__name__)
@@ -49,12 +59,17 @@ class ServerState:
     draining: bool = False
     load_error: BaseException | None = None
     created: int = 0
+    rate_limiter: RateLimiter | None = None
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], model_name: str,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails."""
-    state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()))
+    """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails.
+    Bad safety rules raise ValueError here, before anything loads."""
+    input_filter = InputFilter(load_rules(list(config.safety_rules))) if config.safety_rules else None
+    limiter = RateLimiter(config.rate_limit_requests, config.rate_limit_tokens)
+    state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()),
+                        rate_limiter=limiter if limiter.enabled else None)
 
     async def load() -> None:
         async_engine = AsyncEngine(engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000,
@@ -74,8 +89,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         result_cache = _result_cache(config)
         if result_cache is not None:
             state.metrics.bind_result_cache(result_cache)
-        state.serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), state.metrics,
-                                      config.request_timeout, result_cache, engine.variant)
+        tokenizer = copy.deepcopy(engine.tokenizer)
+        checks = PromptChecks(input_filter, config.max_prompt_chars, state.metrics, tokenizer)
+        state.serving = OpenAIServing(async_engine, tokenizer, state.metrics, config.request_timeout, result_cache,
+                                      engine.variant, checks)
         state.engine = async_engine
         capacity = engine.num_blocks * engine.config.cache.block_size
         logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
@@ -97,7 +114,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     app = FastAPI(title="llmaccel", version=llmaccel.__version__, lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app, state)
-    app.add_middleware(_CountRequests, metrics=state.metrics)
+    app.add_middleware(_LimitBody, max_bytes=config.max_body_bytes, metrics=state.metrics)
+    app.add_middleware(_CountRequests, metrics=state.metrics)  # outermost: counts the 413s as well
 
     def serving() -> OpenAIServing:
         if state.draining:
@@ -165,10 +183,28 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     return app
 
 
+def _client_id(request: Request) -> str:
+    """Whom a rate limit counts against: the API key sent, else the client's address."""
+    header = request.headers.get("authorization", "")
+    if header[:7].lower() == "bearer " and header[7:]:
+        return "key:" + header[7:]
+    return "address:" + (request.client.host if request.client else "unknown")
+
+
 async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
                   request: Request, state: ServerState) -> Response:
+    limiter, client = state.rate_limiter, _client_id(request)
+    if limiter is not None and (limited := limiter.admit(client)) is not None:
+        state.metrics.rate_limited.labels(limit=limited.limit).inc()
+        raise APIError(429, f"rate limit reached: this API key may send {_limit_text(state.config, limited.limit)} "
+                       f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
+                       rejected="rate_limited")
     try:
         job = serving.submit(body, model)
+    except ContentFilterError as exc:
+        raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
+                       code="content_filter", rejected="content_filter") from None
     except EngineOverloadedError as exc:
         raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
                        rejected="queue_full") from None
@@ -180,6 +216,9 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
                        code="context_length_exceeded", rejected="invalid_request") from None
     except ValueError as exc:
         raise APIError(400, str(exc), rejected="invalid_request") from None
+    if limiter is not None:
+        limiter.charge(client, sum(job.prompt_lengths))
+        job.on_done = lambda completion_tokens: limiter.charge(client, completion_tokens)
     cache_header = {"x-llmaccel-cache": job.cache}
     if body.stream:
         return _SSEResponse(serving.stream(job), media_type="text/event-stream",
@@ -202,6 +241,11 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
     return JSONResponse(response.model_dump(), headers=cache_header)
 
 
+def _limit_text(config: ServerConfig, limit: str) -> str:
+    return (f"{config.rate_limit_requests} requests" if limit == "requests"
+            else f"{config.rate_limit_tokens} tokens")
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -216,6 +260,60 @@ class _SSEResponse(StreamingResponse):
         finally:
             with suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+class _LimitBody:
+    """ASGI middleware answering 413 to a request body over `max_bytes`, by its Content-Length or, when it
+    is sent in chunks, as soon as the bytes received pass the limit, and 400 to one that is not UTF-8.
+    A body within it is read whole and handed on; later receive() calls (disconnect watching) go to
+    the client as before."""
+
+    def __init__(self, app, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.metrics.rejected.labels(reason="invalid_request").inc()
+            error = APIError(400, f"the request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at offset "
+                             f"{exc.start}); send JSON encoded as UTF-8", code="invalid_utf8")
+            await error.response()(scope, receive, send)
+            return
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        self.metrics.rejected.labels(reason="too_large").inc()
+        error = APIError(413, f"the request body is larger than this server accepts ({self.max_bytes} bytes, "
+                         "--max-body-size)", code="request_too_large")
+        await error.response()(scope, receive, send)
 
 
 class _CountRequests:

@@ -53,6 +53,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also keep results in this SQLite file (WAL mode), so hits survive a restart")
     parser.add_argument("--result-cache-ttl", type=float, metavar="S",
                         help="results older than S seconds are recomputed (default: no expiry)")
+    parser.add_argument("--safety-rules", action="append", metavar="F",
+                        help="input-filter rules, a YAML or JSON file (repeatable; 'default' names the rule set "
+                             "shipped with llmaccel, which is used when none is given); prompts a `block` rule "
+                             "matches get HTTP 400 with code content_filter (docs/safety.md)")
+    parser.add_argument("--no-input-filter", action="store_true", help="check prompts against no safety rules")
+    parser.add_argument("--max-body-size", default="4MiB", help="larger request bodies get HTTP 413")
+    parser.add_argument("--max-prompt-chars", type=int, default=65536,
+                        help="prompts longer than this (all messages together) get HTTP 400; 0: no limit")
+    parser.add_argument("--rate-limit-requests", type=int, metavar="N",
+                        help="requests per minute allowed to each API key (or client address without a key); "
+                             "more get HTTP 429 with Retry-After (default: no limit)")
+    parser.add_argument("--rate-limit-tokens", type=int, metavar="N",
+                        help="prompt + completion tokens per minute allowed to each API key (default: no limit)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
 
 
@@ -65,7 +78,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         quality_check_interval_s=args.quality_check_interval,
                         result_cache=not args.no_result_cache, result_cache_size=args.result_cache_size,
                         result_cache_memory=parse_memory_size(args.result_cache_memory),
-                        result_cache_path=args.result_cache_path, result_cache_ttl_s=args.result_cache_ttl)
+                        result_cache_path=args.result_cache_path, result_cache_ttl_s=args.result_cache_ttl,
+                        safety_rules=() if args.no_input_filter else tuple(args.safety_rules or ["default"]),
+                        max_body_bytes=parse_memory_size(args.max_body_size),
+                        max_prompt_chars=args.max_prompt_chars or None,
+                        rate_limit_requests=args.rate_limit_requests, rate_limit_tokens=args.rate_limit_tokens)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -79,6 +79,13 @@ class ServerMetrics:
                                        "The full-precision model's perplexity on the same slice.", registry=r)
         self.quality_change = Gauge(PREFIX + "quality_perplexity_change_ratio",
                                     "quality_perplexity / quality_reference_perplexity - 1.", registry=r)
+        self.safety_input = Counter(PREFIX + "safety_input_matches", "Input-filter rule matches, by rule and action "
+                                    "(block, flag, redact).", ["rule", "action"], registry=r)
+        self.input_filter_seconds = Histogram(PREFIX + "input_filter_seconds", "Input-filter time per text checked.",
+                                              buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+                                              registry=r)
+        self.rate_limited = Counter(PREFIX + "rate_limited_requests", "Requests refused by a rate limit, by limit "
+                                    "(requests, tokens).", ["limit"], registry=r)
         self.quality_checks = Counter(PREFIX + "quality_checks", "Quality checks completed.", registry=r)
         self.quality_last_check = Gauge(PREFIX + "quality_last_check_timestamp_seconds",
                                         "Unix time of the last quality check.", registry=r)

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -26,6 +26,7 @@ from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
 from llmaccel.server.metrics import NullTracker, RequestTracker, ServerMetrics
+from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.result_streams import FlightSubscriber, ReplayStream, SharedFlight
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class _Job:
     prompt_lengths: list[int]
     cache: str = "bypass"  # the result cache: "hit" (every prompt answered from it), "miss" or "bypass"
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
+    on_done: Callable[[int], None] | None = None  # called once with the completion tokens, however it ends
 
     @property
     def is_chat(self) -> bool:
@@ -55,7 +57,7 @@ class _Job:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
                  request_timeout: float | None, result_cache: ResultCache | None = None,
-                 variant: str = "") -> None:
+                 variant: str = "", prompt_checks: PromptChecks | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
         self.metrics = metrics
@@ -63,6 +65,7 @@ class OpenAIServing:
         self.token_bytes = token_bytes_function(tokenizer)
         self.result_cache = result_cache
         self.variant = variant  # the model variant, part of every result-cache key
+        self.prompt_checks = prompt_checks  # size, well-formed text and the input filter, before tokenizing
         self._flights: dict[str, SharedFlight] = {}
 
     # ---- admission --------------------------------------------------------------------------------
@@ -97,6 +100,8 @@ class OpenAIServing:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
         if request.unknown_fields:
             logger.warning("ignoring unknown request field(s): %s", ", ".join(request.unknown_fields))
+        if self.prompt_checks is not None:
+            request = self.prompt_checks.apply(request)
         prompts = self.prompts(request)
         params = [self.sampling_params(request, len(ids)) for ids in prompts]
         response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
@@ -283,7 +288,20 @@ def _outcome(trackers: list[RequestTracker]) -> Iterator[None]:
 
 
 async def _merged(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all of a job's streams as they come, tagged with the prompt index."""
+    """Outputs of all of a job's streams as they come, tagged with the prompt index; at the end, however
+    it comes, `job.on_done` learns how many tokens were generated."""
+    last: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(_merged_streams(job)) as outputs:  # closed now, not when collected
+            async for i, output in outputs:
+                last[i] = output
+                yield i, output
+    finally:
+        if job.on_done is not None:
+            job.on_done(sum(len(c.token_ids) for output in last.values() for c in output.outputs))
+
+
+async def _merged_streams(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(job.streams) == 1:
         try:
             async for output in job.streams[0]:

@@ -122,6 +122,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("offline", "offline", "llmaccel vs HF transformers on the same prompts, in one run", "add_arguments", "run"),
     ("multiturn", "multiturn", "multi-turn chats with prefix caching off and on: prefill computed, throughput",
      "add_arguments", "run"),
+    ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "
+     "jailbreak and ordinary prompt sets", "add_arguments", "run"),
     ("report-offline", "report", "markdown table and a PNG bar chart from offline result files", "add_arguments",
      "run"),
 ]

@@ -159,6 +159,11 @@ class ServerConfig:
     max_prompt_chars: int | None = 65536  # longer prompts (all messages together) get HTTP 400
     rate_limit_requests: int | None = None  # requests per minute per API key (or client address); None: no limit
     rate_limit_tokens: int | None = None  # prompt + completion tokens per minute per API key; None: no limit
+    output_rules: tuple[str, ...] = ()  # output-filter rule files ("default-output": secrets redacted); (): off
+    guard_sample_rate: float = 0.0  # share of answers the output guard checks at random
+    guard_confidence: float | None = None  # the guard also checks answers at least this confident; None: never
+    guard_kl: float = 0.35  # mean per-token KL(served || reference) above this is anomalous
+    guard_retries: int = 2  # an anomalous answer is generated again this many times, hotter each time
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -21,6 +21,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     delta_text: str = ""  # text new since this sample's previous output, safe to stream (see detokenizer)
+    mean_confidence: float | None = None  # mean top probability of its sampling distributions, if recorded
 
 
 @dataclass

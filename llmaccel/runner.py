@@ -16,7 +16,7 @@ from llmaccel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
-from llmaccel.sampler import Sampler, SamplingRow
+from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 
 
 class ModelRunner:
@@ -48,8 +48,10 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, Logprob | None]]:
-        """Run one step; returns the sampled token (and logprobs) of every request that samples."""
+    def execute(self, output: SchedulerOutput, confidence: bool = False
+                ) -> dict[str, tuple[int, Logprob | None, float | None]]:
+        """Run one step; returns the sampled token, its logprobs (if asked) and, with `confidence`, the
+        top probability of its sampling distribution, for every request that samples."""
         decodes = [s for s in output.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in output.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -72,30 +74,36 @@ class ModelRunner:
         if not sampled_items:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-        rows = [self._sampling_row(item.request) for item in sampled_items]
-        tokens, logprobs = self.sampler.sample(logits, rows)
-        return {item.request.request_id: (tokens[i], logprobs[i]) for i, item in enumerate(sampled_items)}
+        rows = [self.sampling_row(item.request) for item in sampled_items]
+        tokens, logprobs, top = self.sampler.sample(logits, rows, confidence)
+        return {item.request.request_id: (tokens[i], logprobs[i], top[i] if top else None)
+                for i, item in enumerate(sampled_items)}
 
     @torch.inference_mode()
-    def chunk_logprobs(self, request: Request, count: int, rows: int = 256) -> torch.Tensor:
-        """Compute the next `count` tokens of `request` (its blocks allocated) as one prefill chunk;
-        returns log p(token[i + 1] | ...) for each position i of the chunk that has a next token.
-        Logits are taken `rows` rows at a time, so a long chunk never holds [count, vocab] at once."""
+    def chunk_hidden(self, request: Request, count: int) -> torch.Tensor:
+        """Compute the next `count` tokens of `request` (its blocks allocated) as one prefill chunk,
+        writing their KV; returns the final hidden states, [count, hidden]."""
         start, device = request.num_computed_tokens, self.device
         item = ScheduledRequest(request, count)
         table_start = start - self._skipped(request)
         slots = self._slots(request.block_ids, table_start, table_start + count)
-        ids = request.all_token_ids
-        hidden = self.model(torch.tensor(ids[start:start + count], device=device),
-                            torch.arange(start, start + count, device=device),
-                            self._metadata([], [item], slots), self.kv_caches)
-        targets = torch.tensor(ids[start + 1:start + count + 1], device=device)
+        return self.model(torch.tensor(request.all_token_ids[start:start + count], device=device),
+                          torch.arange(start, start + count, device=device),
+                          self._metadata([], [item], slots), self.kv_caches)
+
+    @torch.inference_mode()
+    def chunk_logprobs(self, request: Request, count: int, rows: int = 256) -> torch.Tensor:
+        """As chunk_hidden; returns log p(token[i + 1] | ...) for each position i of the chunk that has
+        a next token. Logits are taken `rows` rows at a time, so a long chunk never holds [count, vocab]."""
+        start = request.num_computed_tokens
+        hidden = self.chunk_hidden(request, count)
+        targets = torch.tensor(request.all_token_ids[start + 1:start + count + 1], device=self.device)
         pieces = []
         for first in range(0, len(targets), rows):
             logits = self.model.compute_logits(hidden[first:min(first + rows, len(targets))])
             pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[first:first + len(logits), None])
                           .squeeze(1))
-        return torch.cat(pieces) if pieces else torch.empty(0, device=device)
+        return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
 
     def _skipped(self, request: Request) -> int:
         """Positions a KV window freed from the middle of the request's block table."""
@@ -130,7 +138,7 @@ class ModelRunner:
                                  num_decode_tokens=len(decodes), decode_block_tables=tables,
                                  decode_context_lens=lens, prefills=spans, block_size=self.block_size)
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request) -> SamplingRow:
         params = request.params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -139,7 +147,5 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
                 self._generators[request.request_id] = generator
-        suppress: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
-            suppress = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, generator, suppress)
+        return sampling_row(params, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids,
+                            generator)

@@ -22,20 +22,20 @@ def _seeded(seed):
 
 def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 4.0]])
-    tokens, _ = Sampler(3, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0))] * 2)
+    tokens, _, _ = Sampler(3, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0))] * 2)
     assert tokens == [1, 0]
 
 
 def test_top_k_one_samples_the_argmax_at_any_temperature():
     logits = torch.randn(4, 50)
     rows = [_row(SamplingParams(temperature=1.5, top_k=1))] * 4
-    tokens, _ = Sampler(50, torch.device("cpu")).sample(logits, rows)
+    tokens, _, _ = Sampler(50, torch.device("cpu")).sample(logits, rows)
     assert tokens == logits.argmax(-1).tolist()
 
 
 def test_tiny_top_p_keeps_only_the_top_token():
     logits = torch.randn(3, 40)
-    tokens, _ = Sampler(40, torch.device("cpu")).sample(logits, [_row(SamplingParams(top_p=1e-6))] * 3)
+    tokens, _, _ = Sampler(40, torch.device("cpu")).sample(logits, [_row(SamplingParams(top_p=1e-6))] * 3)
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -57,13 +57,13 @@ def test_penalties_follow_the_openai_and_hf_formulas():
 
 def test_min_tokens_suppresses_eos():
     logits = torch.tensor([[0.0, 9.0, 1.0]])
-    tokens, _ = Sampler(3, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0), suppress=[1])])
+    tokens, _, _ = Sampler(3, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0), suppress=[1])])
     assert tokens == [2]
 
 
 def test_logprobs_are_the_raw_log_softmax_with_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    _, logprobs = Sampler(4, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0, logprobs=2))])
+    _, logprobs, _ = Sampler(4, torch.device("cpu")).sample(logits, [_row(SamplingParams(temperature=0, logprobs=2))])
     expected = torch.log_softmax(logits[0], -1)
     assert logprobs[0].token_id == 1
     assert math.isclose(logprobs[0].logprob, float(expected[1]), rel_tol=1e-6)

@@ -8,6 +8,7 @@ InvalidRequestError, EngineOverloadedError or EngineDeadError before anything is
 a RequestStream. The engine thread takes queued adds and aborts between steps, so a new request
 joins the running batch at the next step and an abort frees its KV blocks before the next step
 runs. After each step the thread hands every changed output to the event loop in one call.
+`call(fn)` runs a function on the engine in its thread between steps (the output guard's scoring).
 
 A stream that is closed before its request finished (the client went away) or that passes its
 deadline aborts the request. With `max_batch_delay_s`, an idle engine waits for more arrivals
@@ -59,6 +60,12 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    future: asyncio.Future
 
 
 async def next_before_deadline(queue: asyncio.Queue, deadline: float | None, request_id: str):
@@ -122,7 +129,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self._streams: dict[str, RequestStream] = {}
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._pending_adds = 0  # sequences queued for the engine thread, not yet in its scheduler
         self._cond = threading.Condition()
         self._stopping = False
@@ -185,6 +192,17 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run `fn(engine)` in the engine thread between steps (scoring, say) and return its result or
+        raise its exception. Calls run in the order they were made, after the adds queued before them."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            self._commands.append(_Call(fn, future))
+            self._cond.notify()
+        return await future
+
     async def shutdown(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stopping = True
@@ -212,6 +230,11 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._put(error)
+        with self._cond:
+            calls = [c for c in self._commands if isinstance(c, _Call)]
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(error)
 
     # ---- engine-thread side -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -250,7 +273,7 @@ class AsyncEngine:
             logger.exception("the engine loop stopped")
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc!r}"))
             return
-        self._apply_commands()  # shutting down: take the last aborts, then free every block
+        self._apply_commands()  # shutting down: take the last aborts and calls, then free every block
         aborted = engine.abort_all()
         if aborted:
             logger.warning("shutdown aborted %d unfinished request(s)", aborted)
@@ -263,6 +286,9 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
                 continue
+            if isinstance(command, _Call):
+                self._run_call(command)
+                continue
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                         command.arrival_time)
@@ -271,6 +297,22 @@ class AsyncEngine:
             finally:
                 with self._cond:
                     self._pending_adds -= command.params.n
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result, error = call.fn(self.engine), None
+        except Exception as exc:
+            result, error = None, exc
+
+        def settle() -> None:
+            if call.future.done():  # the caller gave up meanwhile
+                return
+            if error is None:
+                call.future.set_result(result)
+            else:
+                call.future.set_exception(error)
+
+        self._loop.call_soon_threadsafe(settle)
 
     def _background_wait(self) -> float | None:
         """Seconds until the background task is due (0 if it is), None if there is none."""

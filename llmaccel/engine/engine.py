@@ -13,6 +13,7 @@ from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler
+from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.llama import LlamaForCausalLM
@@ -114,6 +115,9 @@ class LLMEngine:
                                        window, sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.scorer = SequenceScorer(self.runner, self.kv_cache)
+        self._reference: SequenceScorer | None = None
+        self._quantized_checkpoint = saved is not None
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "
                     "attention: %s", num_blocks, block_size, num_blocks * block_size,
                     num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,
@@ -124,6 +128,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step = StepStats(0, 0)
         self.last_score_blocks = 0
+        self.record_confidence = False  # the output guard wants each sample's mean top probability
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -180,22 +185,31 @@ class LLMEngine:
         sinks and the window, as a long conversation would. `last_score_blocks` says how many blocks
         it held at most."""
         self.check_prompt(token_ids)
-        request = Request("score", token_ids, SamplingParams(max_tokens=1))
-        chunk = self.kv_cache.max_chunk or len(token_ids)
-        logprobs: list[float] = []
-        self.last_score_blocks = 0
         try:
-            while request.num_computed_tokens < len(token_ids):
-                count = min(chunk, len(token_ids) - request.num_computed_tokens)
-                if self.kv_cache.allocate_slots(request, count) is None:
-                    raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
-                self.last_score_blocks = max(self.last_score_blocks, len(request.block_ids))
-                logprobs += self.runner.chunk_logprobs(request, count).tolist()
-                request.num_computed_tokens += count
-                self.kv_cache.release_outside_window(request)
+            return self.scorer.logprobs(token_ids)
         finally:
-            self.kv_cache.free(request)
-        return logprobs
+            self.last_score_blocks = self.scorer.last_blocks
+
+    def divergence(self, prompt_ids: list[int], output_ids: list[int], params: SamplingParams) -> Divergence:
+        """How far a finished continuation's sampling distributions were from the reference (see
+        engine/scoring.py): the output guard's measure. Call between steps."""
+        return divergence(self.scorer, self.reference_scorer(), prompt_ids, output_ids, params,
+                          self.spec.eos_token_ids)
+
+    def reference_scorer(self) -> SequenceScorer | None:
+        """A full-precision copy of the model, built at the first call, when a variant quantized at load
+        is served; None otherwise (a float model is its own reference; a checkpoint saved quantized has
+        no float weights to compare with)."""
+        model = self.config.model
+        if (model.quantization is None and not model.quantize_embedding) or self._quantized_checkpoint:
+            return None
+        if self._reference is None:
+            blocks = cdiv(self.max_model_len, self.config.cache.block_size) + 1
+            float_engine = LLMEngine(EngineConfig.create(model.model, device=model.device, dtype=model.dtype,
+                                                         block_size=self.config.cache.block_size,
+                                                         num_kv_blocks=blocks, max_model_len=self.max_model_len))
+            self._reference = float_engine.scorer
+        return self._reference
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -235,15 +249,18 @@ class LLMEngine:
             group = self._sample_to_group[item.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        results = self.runner.execute(scheduled)
-        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _) in results.items()})
+        results = self.runner.execute(scheduled, self.record_confidence)
+        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _, _) in results.items()})
         now = time.time()
         changed: dict[str, _Group] = {}
         for request in advanced:
             group = self._sample_to_group[request.request_id]
             sample = next(s for s in group.samples if s.request is request)
-            if sample.logprobs is not None and results[request.request_id][1] is not None:
-                sample.logprobs.append(results[request.request_id][1])
+            _, logprob, top = results[request.request_id]
+            if sample.logprobs is not None and logprob is not None:
+                sample.logprobs.append(logprob)
+            if top is not None:
+                request.confidence_sum += top
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             if self._detokenize(sample, request):
@@ -286,7 +303,9 @@ class LLMEngine:
                                                 token_ids=list(request.output_token_ids), finish_reason=reason,
                                                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
                                                 stop_reason=request.stop_reason,
-                                                delta_text=sample.detokenizer.delta(request.is_finished)))
+                                                delta_text=sample.detokenizer.delta(request.is_finished),
+                                                mean_confidence=request.confidence_sum / request.num_output_tokens
+                                                if self.record_confidence and request.num_output_tokens else None))
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=group.finished, metrics=group.metrics,

@@ -48,6 +48,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
         self.num_skipped_blocks = 0  # with a KV window: blocks freed between the sinks and the window
         self.num_preemptions = 0
+        self.confidence_sum = 0.0  # top probabilities of its sampling distributions (when the engine records them)
         self.stop_reason: str | int | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 

@@ -150,21 +150,30 @@ class InputFilter:
                 continue
             yield word, start, end
 
-    def _redact(self, text: str, rules: list[Rule]) -> str:
+    def spans(self, text: str, rules: list[Rule]) -> list[tuple[int, int]]:
+        """(start, end) in `text` of every match of these rules' words and patterns, in order."""
+        return [(start, end) for start, end, _ in self.rule_spans(text, rules)]
+
+    def rule_spans(self, text: str, rules: list[Rule]) -> list[tuple[int, int, Rule]]:
+        """As `spans`, with the rule of each match."""
         normalized, offsets = normalize_with_offsets(text)
-        spans = []
+        found = []
         for word, start, end in self._word_spans(normalized):
-            spans += [(start, end, r.replacement) for r in rules if word in r.words]
+            found += [(start, end, r) for r in rules if word in r.words]
         for rule in rules:
-            spans += [(m.start(), m.end(), rule.replacement) for p in rule.patterns for m in p.finditer(normalized)
+            found += [(m.start(), m.end(), rule) for p in rule.patterns for m in p.finditer(normalized)
                       if m.end() > m.start()]
+        # map back to the original characters
+        return sorted(((offsets[start], offsets[end - 1] + 1, rule) for start, end, rule in found),
+                      key=lambda span: span[:2])
+
+    def _redact(self, text: str, rules: list[Rule]) -> str:
         out, last = [], 0
-        for start, end, replacement in sorted(spans):  # map back to the original characters, merge overlaps
-            begin, finish = offsets[start], offsets[end - 1] + 1
+        for begin, finish, rule in self.rule_spans(text, rules):
             if begin < last:  # overlaps the previous span: extend it
                 last = max(last, finish)
                 continue
-            out += [text[last:begin], replacement]
+            out += [text[last:begin], rule.replacement]
             last = finish
         out.append(text[last:])
         return "".join(out)

@@ -13,7 +13,8 @@ A rule file holds a list `rules`; each rule has
   description  what it catches (optional); replacement: text put in place of a redacted match
                (default "[REDACTED]")
 
-`default` names the rule set shipped with llmaccel (`default_rules.yaml`).
+`default` names the input rule set shipped with llmaccel (`default_rules.yaml`), `default-output`
+the output rule set (`default_output_rules.yaml`: secrets and card numbers redacted).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 
 from llmaccel.safety.normalize import normalize
 
-DEFAULT_RULES = "default"
+SHIPPED_RULES = {"default": "default_rules.yaml", "default-output": "default_output_rules.yaml"}
 _GAP = r"[\W_]*"
 
 
@@ -69,8 +70,9 @@ def load_rules(sources: list[str]) -> list[Rule]:
 
 
 def _load_file(source: str) -> list[Rule]:
-    if source == DEFAULT_RULES:
-        name, text = "default_rules.yaml", files("llmaccel.safety").joinpath("default_rules.yaml").read_text("utf-8")
+    if source in SHIPPED_RULES:
+        name = SHIPPED_RULES[source]
+        text = files("llmaccel.safety").joinpath(name).read_text("utf-8")
     else:
         path = Path(source).expanduser()
         if not path.is_file():
@@ -107,7 +109,7 @@ def _parse_rule(entry: object, source: str, index: int) -> Rule:
     compiled = []
     for pattern in patterns:
         try:
-            compiled.append(re.compile(pattern.replace(" ", _GAP)))
+            compiled.append(re.compile(_spaces_to_gaps(pattern)))
         except re.error as exc:
             raise ValueError(f"{where}: bad pattern {pattern!r} ({exc})") from None
     normalized = tuple(dict.fromkeys(normalize(w).strip() for w in words))
@@ -118,3 +120,24 @@ def _parse_rule(entry: object, source: str, index: int) -> Rule:
         raise ValueError(f"{where}: min_matches must be between 1 and its number of words and patterns")
     return Rule(rule_id, action, normalized, tuple(compiled), min_matches, str(entry.get("description", "")),
                 str(entry.get("replacement", "[REDACTED]")), source)
+
+
+def _spaces_to_gaps(pattern: str) -> str:
+    """Each literal space outside a character class becomes `[\\W_]*` (any run of non-letters, or none)."""
+    out, in_class, escaped = [], False, False
+    for char in pattern:
+        if escaped:
+            out.append(char)
+            escaped = False
+        elif char == "\\":
+            out.append(char)
+            escaped = True
+        elif char == "[" and not in_class:
+            in_class = True
+            out.append(char)
+        elif char == "]" and in_class:
+            in_class = False
+            out.append(char)
+        else:
+            out.append(_GAP if char == " " and not in_class else char)
+    return "".join(out)

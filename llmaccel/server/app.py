@@ -36,9 +36,11 @@ from llmaccel.errors import (
     RequestTimeoutError,
 )
 from llmaccel.safety.input_filter import InputFilter
+from llmaccel.safety.output_guard import GuardConfig, OutputGuard, worst_verdict
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
 from llmaccel.server import protocol as p
+from llmaccel.server.answer_checks import AnswerChecks
 from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
@@ -67,6 +69,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails.
     Bad safety rules raise ValueError here, before anything loads."""
     input_filter = InputFilter(load_rules(list(config.safety_rules))) if config.safety_rules else None
+    output_filter = InputFilter(load_rules(list(config.output_rules))) if config.output_rules else None
+    guard_config = GuardConfig(config.guard_sample_rate, config.guard_confidence, config.guard_kl, config.guard_retries)
     limiter = RateLimiter(config.rate_limit_requests, config.rate_limit_tokens)
     state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()),
                         rate_limiter=limiter if limiter.enabled else None)
@@ -84,6 +88,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                 on_fatal()
             return
         engine = async_engine.engine
+        engine.record_confidence = guard_config.confidence is not None  # set before the first request arrives
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
                                   lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats)
         result_cache = _result_cache(config)
@@ -91,8 +96,15 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             state.metrics.bind_result_cache(result_cache)
         tokenizer = copy.deepcopy(engine.tokenizer)
         checks = PromptChecks(input_filter, config.max_prompt_chars, state.metrics, tokenizer)
+        answers = None
+        if guard_config.enabled or output_filter is not None:
+            async def measure(prompt_ids, output_ids, params):
+                return await async_engine.call(lambda e: e.divergence(prompt_ids, output_ids, params))
+
+            guard = OutputGuard(guard_config, measure, state.metrics) if guard_config.enabled else None
+            answers = AnswerChecks(guard, output_filter, state.metrics)
         state.serving = OpenAIServing(async_engine, tokenizer, state.metrics, config.request_timeout, result_cache,
-                                      engine.variant, checks)
+                                      engine.variant, checks, answers)
         state.engine = async_engine
         capacity = engine.num_blocks * engine.config.cache.block_size
         logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
@@ -238,7 +250,11 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         info = error_info(exc)
         raise APIError(504 if isinstance(exc, RequestTimeoutError) else 503, info.message, info.type,
                        code=info.code) from None
-    return JSONResponse(response.model_dump(), headers=cache_header)
+    body, headers = response.model_dump(), dict(cache_header)
+    if job.guard_reports:  # the output guard's verdicts: a header for the worst, each choice's in the body
+        headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
+        body["guard"] = [r.as_dict() for r in job.guard_reports]
+    return JSONResponse(body, headers=headers)
 
 
 def _limit_text(config: ServerConfig, limit: str) -> str:

@@ -66,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "more get HTTP 429 with Retry-After (default: no limit)")
     parser.add_argument("--rate-limit-tokens", type=int, metavar="N",
                         help="prompt + completion tokens per minute allowed to each API key (default: no limit)")
+    parser.add_argument("--output-rules", action="append", metavar="F",
+                        help="output-filter rules, YAML or JSON (repeatable; 'default-output' names the shipped set "
+                             "that redacts secrets and card numbers): `redact` rules rewrite generated text, a "
+                             "`block` rule stops the answer with finish_reason content_filter (default: none)")
+    parser.add_argument("--guard-sample-rate", type=float, default=0.0, metavar="R",
+                        help="share of answers (0..1) the output guard scores against the reference distribution "
+                             "(the full-precision model for a quantized variant; else the raw distribution before "
+                             "temperature and penalties); see docs/safety.md")
+    parser.add_argument("--guard-confidence", type=float, metavar="P",
+                        help="the guard also checks every answer whose mean top-token probability is at least P")
+    parser.add_argument("--guard-kl", type=float, default=0.35,
+                        help="mean per-token KL(served || reference) above which an answer is anomalous")
+    parser.add_argument("--guard-retries", type=int, default=2,
+                        help="an anomalous answer is generated again up to this many times at a higher temperature; "
+                             "if every try is anomalous the closest one is served, flagged (x-llmaccel-guard)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
 
 
@@ -82,7 +97,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         safety_rules=() if args.no_input_filter else tuple(args.safety_rules or ["default"]),
                         max_body_bytes=parse_memory_size(args.max_body_size),
                         max_prompt_chars=args.max_prompt_chars or None,
-                        rate_limit_requests=args.rate_limit_requests, rate_limit_tokens=args.rate_limit_tokens)
+                        rate_limit_requests=args.rate_limit_requests, rate_limit_tokens=args.rate_limit_tokens,
+                        output_rules=tuple(args.output_rules or ()), guard_sample_rate=args.guard_sample_rate,
+                        guard_confidence=args.guard_confidence, guard_kl=args.guard_kl,
+                        guard_retries=args.guard_retries)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -86,6 +86,22 @@ class ServerMetrics:
                                               registry=r)
         self.rate_limited = Counter(PREFIX + "rate_limited_requests", "Requests refused by a rate limit, by limit "
                                     "(requests, tokens).", ["limit"], registry=r)
+        self.guard_checks = Counter(PREFIX + "guard_checks", "Continuations the output guard scored.", registry=r)
+        self.guard_kl = Histogram(PREFIX + "guard_mean_kl", "Mean per-token KL(served || reference) of each check.",
+                                  buckets=(0.001, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.0, 5.0), registry=r)
+        self.guard_anomalies = Counter(PREFIX + "guard_anomalies", "First answers over the guard's KL threshold.",
+                                       registry=r)
+        self.guard_resamples = Counter(PREFIX + "guard_resamples", "Generations retried for an anomalous answer.",
+                                       registry=r)
+        self.guard_resample_successes = Counter(PREFIX + "guard_resample_successes",
+                                                "Anomalous answers replaced by a retry under the threshold.",
+                                                registry=r)
+        self.guard_flagged = Counter(PREFIX + "guard_flagged", "Answers served flagged: every try anomalous.",
+                                     registry=r)
+        self.guard_abnormal_ratio = Gauge(PREFIX + "guard_abnormal_output_ratio",
+                                          "Anomalous first answers / first answers checked.", registry=r)
+        self.safety_output = Counter(PREFIX + "safety_output_matches", "Output-filter rule matches, by rule and "
+                                     "action.", ["rule", "action"], registry=r)
         self.quality_checks = Counter(PREFIX + "quality_checks", "Quality checks completed.", registry=r)
         self.quality_last_check = Gauge(PREFIX + "quality_last_check_timestamp_seconds",
                                         "Unix time of the last quality check.", registry=r)
@@ -102,6 +118,10 @@ class ServerMetrics:
     def bind_result_cache(self, cache) -> None:
         """Export the result cache's counters and size, read at scrape time."""
         self.registry.register(_ResultCacheCollector(cache))
+
+    def observe_guard_check(self, mean_kl: float) -> None:
+        self.guard_checks.inc()
+        self.guard_kl.observe(mean_kl)
 
     def observe_quality(self, perplexity: float, reference: float) -> None:
         """Called from the engine thread after each quality check."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
@@ -23,8 +24,10 @@ from llmaccel.engine.async_engine import AsyncEngine, RequestStream
 from llmaccel.engine.detokenizer import token_bytes_function
 from llmaccel.errors import EngineDeadError, PromptTooLongError, RequestTimeoutError
 from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
+from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
+from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
 from llmaccel.server.metrics import NullTracker, RequestTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.result_streams import FlightSubscriber, ReplayStream, SharedFlight
@@ -44,10 +47,16 @@ class _Job:
     model: str
     streams: list[Stream]
     trackers: list[RequestTracker | NullTracker]
-    prompt_lengths: list[int]
+    prompt_ids: list[list[int]]
+    params: list[SamplingParams]
     cache: str = "bypass"  # the result cache: "hit" (every prompt answered from it), "miss" or "bypass"
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
     on_done: Callable[[int], None] | None = None  # called once with the completion tokens, however it ends
+    guard_reports: list[GuardReport] = field(default_factory=list)  # the output guard's, per checked choice
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        return [len(ids) for ids in self.prompt_ids]
 
     @property
     def is_chat(self) -> bool:
@@ -57,7 +66,8 @@ class _Job:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
                  request_timeout: float | None, result_cache: ResultCache | None = None,
-                 variant: str = "", prompt_checks: PromptChecks | None = None) -> None:
+                 variant: str = "", prompt_checks: PromptChecks | None = None,
+                 answer_checks: AnswerChecks | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
         self.metrics = metrics
@@ -66,6 +76,8 @@ class OpenAIServing:
         self.result_cache = result_cache
         self.variant = variant  # the model variant, part of every result-cache key
         self.prompt_checks = prompt_checks  # size, well-formed text and the input filter, before tokenizing
+        self.answer_checks = answer_checks  # the output guard and the output filter, after generating
+        self._retry_ids = itertools.count()
         self._flights: dict[str, SharedFlight] = {}
 
     # ---- admission --------------------------------------------------------------------------------
@@ -119,7 +131,7 @@ class OpenAIServing:
         trackers = [NullTracker() if o == "hit" else self.metrics.track() for o in outcomes]
         cache = "hit" if all(o == "hit" for o in outcomes) else "bypass" if all(o == "bypass" for o in outcomes) \
             else "miss"
-        return _Job(request, response_id, model, streams, trackers, [len(ids) for ids in prompts], cache)
+        return _Job(request, response_id, model, streams, trackers, prompts, params, cache)
 
     def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool) -> tuple[Stream, str]:
         """The stream of one prompt: a cache hit's replay, a subscription to an identical request in
@@ -144,15 +156,17 @@ class OpenAIServing:
 
     # ---- running ----------------------------------------------------------------------------------
     async def complete(self, job: _Job) -> BaseModel:
-        """Run to the end and build one response."""
+        """Run to the end, pass every answer through the answer checks, and build one response."""
         last: dict[int, RequestOutput] = {}
         with _outcome(job.trackers):
             async for i, output in _merged(job):
                 last[i] = output
         n = job.request.n
-        choices = []
+        choices, served = [], []
         for i in range(len(job.streams)):
             for c in last[i].outputs:
+                c = await self._finish(job, i, c)
+                served.append(c)
                 index = i * n + c.index
                 if job.is_chat:
                     choices.append(p.ChatChoice(index=index, message=p.AssistantMessage(content=c.text),
@@ -161,18 +175,43 @@ class OpenAIServing:
                 else:
                     choices.append(p.CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
                                                       logprobs=self._completion_logprobs(c.logprobs or [], job)))
-        usage = _usage(job, last.values())
+        usage = _usage(job, served, last.values())
         kind = p.ChatCompletionResponse if job.is_chat else p.CompletionResponse
         return kind(id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage)
 
+    async def _finish(self, job: _Job, i: int, output: CompletionOutput) -> CompletionOutput:
+        if self.answer_checks is None:
+            return output
+        served, report = await self.answer_checks.finish(job.prompt_ids[i], job.params[i], output,
+                                                         lambda params: self._regenerate(job, i, params))
+        if report is not None:
+            job.guard_reports.append(replace(report, output=replace(report.output, index=i * job.request.n
+                                                                    + output.index)))
+        return served
+
+    async def _regenerate(self, job: _Job, i: int, params: SamplingParams) -> CompletionOutput:
+        """A new answer to prompt i (the output guard's retry), generated to the end."""
+        stream = self._engine_request(job.prompt_ids[i], params, f"{job.response_id}-{i}-retry{next(self._retry_ids)}")
+        last = None
+        try:
+            async for output in stream:
+                last = output
+        finally:
+            stream.close()
+        return last.outputs[0]
+
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE lines: chunks, an optional usage chunk, then [DONE]. Errors after the first byte are
-        sent as an error event, since the status line has gone already."""
+        sent as an error event, since the status line has gone already. With answer checks, each
+        choice's text goes through the output filter as it streams, and the output guard's verdict
+        on a finished choice rides on its final chunk (`guard`)."""
         n = job.request.n
         include_usage = bool(job.request.stream_options and job.request.stream_options.include_usage)
         usage_field = {"usage": None} if include_usage else {}
         sent_tokens: dict[int, int] = {}
         last: dict[int, RequestOutput] = {}
+        filters: dict[int, object] = {}
+        ended: set[int] = set()
         if job.is_chat:  # the role comes first, as OpenAI sends it
             yield _sse(self._chunk(job, [p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant",
                                                                                          content=""))
@@ -181,22 +220,51 @@ class OpenAIServing:
             with _outcome(job.trackers):
                 async for i, output in _merged(job):
                     last[i] = output
-                    choices = []
+                    choices, reports = [], []
                     for c in output.outputs:
                         index = i * n + c.index
+                        if index in ended:
+                            continue
                         new_logprobs = (c.logprobs or [])[sent_tokens.get(index, 0):]
                         sent_tokens[index] = len(c.token_ids)
+                        c = self._filter_delta(filters, index, c)
+                        if c.finish_reason:
+                            ended.add(index)
+                            report = await self._review_stream(job, i, c)
+                            if report is not None:
+                                reports.append(report.as_dict() | {"index": index})
                         if c.delta_text or c.finish_reason or new_logprobs:
                             choices.append(self._chunk_choice(job, index, c, new_logprobs))
                     if choices:
-                        yield _sse(self._chunk(job, choices), **usage_field)
+                        yield _sse(self._chunk(job, choices), **usage_field, **({"guard": reports} if reports else {}))
+                    if len(ended) == n * len(job.streams):
+                        break  # every choice ended (the output filter may stop one before the engine does)
         except (RequestTimeoutError, EngineDeadError) as exc:
             yield _sse(p.ErrorResponse(error=error_info(exc)))
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            yield _sse(self._chunk(job, []), usage=_usage(job, last.values()).model_dump())
+            served = [c for out in last.values() for c in out.outputs]
+            yield _sse(self._chunk(job, []), usage=_usage(job, served, last.values()).model_dump())
         yield "data: [DONE]\n\n"
+
+    def _filter_delta(self, filters: dict, index: int, c: CompletionOutput) -> CompletionOutput:
+        """The choice's output with its delta through the output filter (stopped: content_filter)."""
+        if self.answer_checks is None or self.answer_checks.output_filter is None:
+            return c
+        text_filter = filters.get(index) or filters.setdefault(index, self.answer_checks.stream_filter())
+        delta = text_filter.push(c.delta_text, final=c.finish_reason is not None)
+        if text_filter.stopped_by is not None:
+            return replace(c, delta_text=delta, finish_reason=CONTENT_FILTER, stop_reason=text_filter.stopped_by)
+        return replace(c, delta_text=delta)
+
+    async def _review_stream(self, job: _Job, i: int, c: CompletionOutput) -> GuardReport | None:
+        if self.answer_checks is None:
+            return None
+        report = await self.answer_checks.review_stream(job.prompt_ids[i], job.params[i], c)
+        if report is not None:
+            job.guard_reports.append(report)
+        return report
 
     # ---- shapes -----------------------------------------------------------------------------------
     def _chunk(self, job: _Job, choices: list) -> BaseModel:
@@ -251,9 +319,8 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
     return p.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
 
 
-def _usage(job: _Job, outputs) -> p.Usage:
-    outputs = list(outputs)
-    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+def _usage(job: _Job, served: list[CompletionOutput], outputs) -> p.Usage:
+    completion = sum(len(c.token_ids) for c in served)
     prompt = sum(job.prompt_lengths)
     cached = p.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,

@@ -25,10 +25,10 @@ from llmaccel.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
-# C0 controls other than tab, newline and carriage return; lone UTF-16 surrogates ("\ud800" in JSON).
-# Assistant turns may hold controls: they are the model's own output, sent back as history.
-_BAD_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff]")
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
+# NUL, and lone UTF-16 surrogates ("\ud800" in JSON), which no tokenizer can encode. Other control
+# characters pass: pasted terminal output holds ESC sequences, source code form feeds; the input
+# filter deletes them before matching, so they cannot split a word to hide it.
+_BAD_CHARACTER = re.compile(r"[\x00\ud800-\udfff]")
 
 
 class PromptChecks:
@@ -46,17 +46,15 @@ class PromptChecks:
     def apply(self, request: AnyRequest) -> AnyRequest:
         """The request as the model should see it (redactions applied), or an error that says why not."""
         texts = self._texts(request)
-        assistant = {f"messages[{i}].content" for i, m in enumerate(getattr(request, "messages", []))
-                     if m.role == "assistant"}
         total = sum(len(text) for _, text in texts)
         if self.max_prompt_chars is not None and total > self.max_prompt_chars:
             raise InvalidRequestError(f"the prompt has {total} characters; this server accepts at most "
                                       f"{self.max_prompt_chars} (--max-prompt-chars)")
         for where, text in texts:
-            bad = (_SURROGATE if where in assistant else _BAD_CHARACTER).search(text)
+            bad = _BAD_CHARACTER.search(text)
             if bad:
                 raise InvalidRequestError(f"{where} contains the character U+{ord(bad.group()):04X} at position "
-                                          f"{bad.start()}; control characters and lone surrogates are not accepted")
+                                          f"{bad.start()}; NUL characters and lone surrogates are not accepted")
             special = self._special_tokens.search(text) if self._special_tokens and where[0] == "m" else None
             if special:
                 self.metrics.safety_input.labels(rule="special-token", action="block").inc()

@@ -7,15 +7,12 @@ engine step and choice that has news, end with a usage chunk when asked, then `d
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from pydantic import BaseModel
 
@@ -28,39 +25,13 @@ from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
-from llmaccel.server.metrics import NullTracker, RequestTracker, ServerMetrics
+from llmaccel.server.job import AnyRequest, Job, Stream, merged, outcome
+from llmaccel.server.metrics import NullTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
-from llmaccel.server.result_streams import FlightSubscriber, ReplayStream, SharedFlight
+from llmaccel.server.result_streams import ReplayStream, SharedFlight
 
 logger = logging.getLogger(__name__)
 
-AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
-Stream = RequestStream | ReplayStream | FlightSubscriber
-
-
-@dataclass
-class _Job:
-    """One accepted API request: its engine streams and what the response needs."""
-
-    request: AnyRequest
-    response_id: str
-    model: str
-    streams: list[Stream]
-    trackers: list[RequestTracker | NullTracker]
-    prompt_ids: list[list[int]]
-    params: list[SamplingParams]
-    cache: str = "bypass"  # the result cache: "hit" (every prompt answered from it), "miss" or "bypass"
-    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
-    on_done: Callable[[int], None] | None = None  # called once with the completion tokens, however it ends
-    guard_reports: list[GuardReport] = field(default_factory=list)  # the output guard's, per checked choice
-
-    @property
-    def prompt_lengths(self) -> list[int]:
-        return [len(ids) for ids in self.prompt_ids]
-
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.request, p.ChatCompletionRequest)
 
 
 class OpenAIServing:
@@ -108,7 +79,7 @@ class OpenAIServing:
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
             logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens)
 
-    def submit(self, request: AnyRequest, model: str) -> _Job:
+    def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
         if request.unknown_fields:
             logger.warning("ignoring unknown request field(s): %s", ", ".join(request.unknown_fields))
@@ -131,7 +102,7 @@ class OpenAIServing:
         trackers = [NullTracker() if o == "hit" else self.metrics.track() for o in outcomes]
         cache = "hit" if all(o == "hit" for o in outcomes) else "bypass" if all(o == "bypass" for o in outcomes) \
             else "miss"
-        return _Job(request, response_id, model, streams, trackers, prompts, params, cache)
+        return Job(request, response_id, model, streams, trackers, prompts, params, cache)
 
     def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool) -> tuple[Stream, str]:
         """The stream of one prompt: a cache hit's replay, a subscription to an identical request in
@@ -155,11 +126,11 @@ class OpenAIServing:
         return stream
 
     # ---- running ----------------------------------------------------------------------------------
-    async def complete(self, job: _Job) -> BaseModel:
+    async def complete(self, job: Job) -> BaseModel:
         """Run to the end, pass every answer through the answer checks, and build one response."""
         last: dict[int, RequestOutput] = {}
-        with _outcome(job.trackers):
-            async for i, output in _merged(job):
+        with outcome(job.trackers):
+            async for i, output in merged(job):
                 last[i] = output
         n = job.request.n
         choices, served = [], []
@@ -179,7 +150,7 @@ class OpenAIServing:
         kind = p.ChatCompletionResponse if job.is_chat else p.CompletionResponse
         return kind(id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage)
 
-    async def _finish(self, job: _Job, i: int, output: CompletionOutput) -> CompletionOutput:
+    async def _finish(self, job: Job, i: int, output: CompletionOutput) -> CompletionOutput:
         if self.answer_checks is None:
             return output
         served, report = await self.answer_checks.finish(job.prompt_ids[i], job.params[i], output,
@@ -189,7 +160,7 @@ class OpenAIServing:
                                                                     + output.index)))
         return served
 
-    async def _regenerate(self, job: _Job, i: int, params: SamplingParams) -> CompletionOutput:
+    async def _regenerate(self, job: Job, i: int, params: SamplingParams) -> CompletionOutput:
         """A new answer to prompt i (the output guard's retry), generated to the end."""
         stream = self._engine_request(job.prompt_ids[i], params, f"{job.response_id}-{i}-retry{next(self._retry_ids)}")
         last = None
@@ -200,7 +171,7 @@ class OpenAIServing:
             stream.close()
         return last.outputs[0]
 
-    async def stream(self, job: _Job) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE lines: chunks, an optional usage chunk, then [DONE]. Errors after the first byte are
         sent as an error event, since the status line has gone already. With answer checks, each
         choice's text goes through the output filter as it streams, and the output guard's verdict
@@ -217,8 +188,8 @@ class OpenAIServing:
                                                                                          content=""))
                                          for k in range(n * len(job.streams))]), **usage_field)
         try:
-            with _outcome(job.trackers):
-                async for i, output in _merged(job):
+            with outcome(job.trackers):
+                async for i, output in merged(job):
                     last[i] = output
                     choices, reports = [], []
                     for c in output.outputs:
@@ -258,7 +229,7 @@ class OpenAIServing:
             return replace(c, delta_text=delta, finish_reason=CONTENT_FILTER, stop_reason=text_filter.stopped_by)
         return replace(c, delta_text=delta)
 
-    async def _review_stream(self, job: _Job, i: int, c: CompletionOutput) -> GuardReport | None:
+    async def _review_stream(self, job: Job, i: int, c: CompletionOutput) -> GuardReport | None:
         if self.answer_checks is None:
             return None
         report = await self.answer_checks.review_stream(job.prompt_ids[i], job.params[i], c)
@@ -267,11 +238,11 @@ class OpenAIServing:
         return report
 
     # ---- shapes -----------------------------------------------------------------------------------
-    def _chunk(self, job: _Job, choices: list) -> BaseModel:
+    def _chunk(self, job: Job, choices: list) -> BaseModel:
         kind = p.ChatCompletionChunk if job.is_chat else p.CompletionResponse
         return kind(id=job.response_id, created=job.created, model=job.model, choices=choices)
 
-    def _chunk_choice(self, job: _Job, index: int, c: CompletionOutput, new_logprobs: list[Logprob]) -> BaseModel:
+    def _chunk_choice(self, job: Job, index: int, c: CompletionOutput, new_logprobs: list[Logprob]) -> BaseModel:
         if job.is_chat:
             delta = p.DeltaMessage(content=c.delta_text if c.delta_text or not c.finish_reason else None)
             return p.ChatChunkChoice(index=index, delta=delta, finish_reason=c.finish_reason,
@@ -279,7 +250,7 @@ class OpenAIServing:
         return p.CompletionChoice(index=index, text=c.delta_text, finish_reason=c.finish_reason,
                                   logprobs=self._completion_logprobs(new_logprobs, job) if new_logprobs else None)
 
-    def _chat_logprobs(self, logprobs: list[Logprob], job: _Job) -> p.ChatLogprobs | None:
+    def _chat_logprobs(self, logprobs: list[Logprob], job: Job) -> p.ChatLogprobs | None:
         if job.request.num_logprobs is None:
             return None
 
@@ -295,7 +266,7 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def _completion_logprobs(self, logprobs: list[Logprob], job: _Job) -> p.CompletionLogprobs | None:
+    def _completion_logprobs(self, logprobs: list[Logprob], job: Job) -> p.CompletionLogprobs | None:
         if job.request.num_logprobs is None:
             return None
         out = p.CompletionLogprobs()
@@ -319,7 +290,7 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
     return p.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
 
 
-def _usage(job: _Job, served: list[CompletionOutput], outputs) -> p.Usage:
+def _usage(job: Job, served: list[CompletionOutput], outputs) -> p.Usage:
     completion = sum(len(c.token_ids) for c in served)
     prompt = sum(job.prompt_lengths)
     cached = p.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
@@ -334,74 +305,3 @@ def _sse(model: BaseModel, **overrides: object) -> str:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     data.update(overrides)
     return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-@contextlib.contextmanager
-def _outcome(trackers: list[RequestTracker]) -> Iterator[None]:
-    """Record each tracker's metrics once, with how the request ended."""
-    outcome = "aborted"  # cancelled or closed early: the client went away
-    try:
-        yield
-        outcome = "ok"
-    except RequestTimeoutError:
-        outcome = "timeout"
-        raise
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        for tracker in trackers:
-            tracker.finish(outcome)
-
-
-async def _merged(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all of a job's streams as they come, tagged with the prompt index; at the end, however
-    it comes, `job.on_done` learns how many tokens were generated."""
-    last: dict[int, RequestOutput] = {}
-    try:
-        async with contextlib.aclosing(_merged_streams(job)) as outputs:  # closed now, not when collected
-            async for i, output in outputs:
-                last[i] = output
-                yield i, output
-    finally:
-        if job.on_done is not None:
-            job.on_done(sum(len(c.token_ids) for output in last.values() for c in output.outputs))
-
-
-async def _merged_streams(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    if len(job.streams) == 1:
-        try:
-            async for output in job.streams[0]:
-                job.trackers[0].on_output(output)
-                yield 0, output
-        finally:
-            job.streams[0].close()
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: Stream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                job.trackers[i].on_output(item)
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in job.streams:
-            stream.close()

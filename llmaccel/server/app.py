@@ -101,7 +101,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             async def measure(prompt_ids, output_ids, params):
                 return await async_engine.call(lambda e: e.divergence(prompt_ids, output_ids, params))
 
-            guard = OutputGuard(guard_config, measure, state.metrics) if guard_config.enabled else None
+            guard = None
+            if guard_config.enabled:
+                guard = OutputGuard(guard_config, measure, state.metrics)
+                await async_engine.call(lambda e: e.reference_scorer())  # load a float reference now, not mid-request
             answers = AnswerChecks(guard, output_filter, state.metrics)
         state.serving = OpenAIServing(async_engine, tokenizer, state.metrics, config.request_timeout, result_cache,
                                       engine.variant, checks, answers)

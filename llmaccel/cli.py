@@ -17,7 +17,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
                              "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1/Q8_0 tensors, used without requantizing")
     parser.add_argument("--quant-group-size", type=int,
-                        help="INT4 group size: 32, 64 or 128 (default: the largest that divides each layer)")
+                        help="INT4 group size: 32 (default, as GGUF's Q4_0/Q4_1), 64 or 128")
     parser.add_argument("--quantize-embedding", action="store_true",
                         help="hold the embedding and LM head in INT8 too, one copy when tied (with --quantization "
                              "gguf: the file's own Q8_0 table); saves most of a small model's remaining float weights")

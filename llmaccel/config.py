@@ -52,7 +52,7 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = None  # weight-only "int8" / "int4" for the decoder's linear layers, or "gguf":
     # a GGUF file's own Q4_0/Q4_1/Q8_0 tensors as INT4/INT8, with no requantization
-    quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: the largest dividing each layer
+    quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: 32
     quantize_embedding: bool = False  # hold the embedding and LM head in INT8 too (one copy when tied);
     # with "gguf", the file's own Q8_0 table
 

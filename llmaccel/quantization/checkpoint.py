@@ -33,8 +33,8 @@ EMBEDDING_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory to quantize")
     parser.add_argument("--method", required=True, help="int8 (per output channel) or int4 (group-wise)")
-    parser.add_argument("--group-size", type=int, help="INT4 group size: 32, 64 or 128 (default: the largest that "
-                                                       "divides each layer)")
+    parser.add_argument("--group-size", type=int, help="INT4 group size: 32 (default, GGUF's grid), 64 or 128; it must "
+                                                       "divide each layer's inputs")
     parser.add_argument("--awq", action="store_true",
                         help="activation-aware per-input-channel scales, searched on calibration data before "
                              "rounding (default calibration: the built-in chat prompts)")

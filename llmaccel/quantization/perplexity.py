@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
 
-# label -> engine options; "int4" picks the largest group (128/64/32) dividing each layer; "awq": quantize
+# label -> engine options; "int4" uses groups of 32 (the default); "-g64": the coarser grid; "awq": quantize
 # with AWQ on the built-in calibration prompts first; "+emb8": the embedding and LM head in INT8 too
 VARIANTS = {
     "fp32": {},
@@ -28,6 +28,8 @@ VARIANTS = {
     "int8+emb8": {"quantization": "int8", "quantize_embedding": True},
     "int4": {"quantization": "int4"},
     "int4+awq": {"quantization": "int4", "awq": True},
+    "int4-g64": {"quantization": "int4", "quant_group_size": 64},
+    "int4-g64+awq": {"quantization": "int4", "quant_group_size": 64, "awq": True},
     "int4-g32": {"quantization": "int4", "quant_group_size": 32},
     "int4-g32+emb8": {"quantization": "int4", "quant_group_size": 32, "quantize_embedding": True},
     "gguf-native": {"quantization": "gguf"},  # only for a GGUF model: its own Q4_0/Q4_1/Q8_0 tensors
@@ -38,7 +40,7 @@ VARIANTS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"), help="evaluate this weight-only variant")
-    parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: largest dividing each layer)")
+    parser.add_argument("--quant-group-size", type=int, help="INT4 group size (default: 32)")
     parser.add_argument("--quantize-embedding", action="store_true", help="the embedding and LM head in INT8 too")
     parser.add_argument("--kv-window", type=int, metavar="W",
                         help="score through a StreamingLLM KV window: each --ctx window goes through in W-token "

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="results older than S seconds are recomputed (default: no expiry)")
     parser.add_argument("--safety-rules", action="append", metavar="F",
                         help="input-filter rules, a YAML or JSON file (repeatable; 'default' names the rule set "
-                             "shipped with llmaccel, which is used when none is given); prompts a `block` rule "
+                             "shipped with llmaccel, used when none is given); prompts a `block` rule "
                              "matches get HTTP 400 with code content_filter (docs/safety.md)")
     parser.add_argument("--no-input-filter", action="store_true", help="check prompts against no safety rules")
     parser.add_argument("--max-body-size", default="4MiB", help="larger request bodies get HTTP 413")
@@ -63,13 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts longer than this (all messages together) get HTTP 400; 0: no limit")
     parser.add_argument("--rate-limit-requests", type=int, metavar="N",
                         help="requests per minute allowed to each API key (or client address without a key); "
-                             "more get HTTP 429 with Retry-After (default: no limit)")
+                             "more get HTTP 429 with Retry-After; none: no limit")
     parser.add_argument("--rate-limit-tokens", type=int, metavar="N",
-                        help="prompt + completion tokens per minute allowed to each API key (default: no limit)")
+                        help="prompt + completion tokens per minute allowed to each API key; none: no limit")
     parser.add_argument("--output-rules", action="append", metavar="F",
                         help="output-filter rules, YAML or JSON (repeatable; 'default-output' names the shipped set "
                              "that redacts secrets and card numbers): `redact` rules rewrite generated text, a "
-                             "`block` rule stops the answer with finish_reason content_filter (default: none)")
+                             "`block` rule stops the answer with finish_reason content_filter; none: no output filter")
     parser.add_argument("--guard-sample-rate", type=float, default=0.0, metavar="R",
                         help="share of answers (0..1) the output guard scores against the reference distribution "
                              "(the full-precision model for a quantized variant; else the raw distribution before "

@@ -164,3 +164,20 @@ def test_streamed_redaction_equals_whole_redaction(piece):
     stream = OutputTextFilter(text_filter)
     streamed = "".join(stream.push(text[i:i + piece], False) for i in range(0, len(text), piece))
     assert streamed + stream.push("", True) == whole
+
+
+def test_an_answer_the_engine_cannot_score_now_is_served_unchecked():
+    import asyncio
+
+    from llmaccel.outputs import CompletionOutput
+    from llmaccel.safety.output_guard import GuardConfig, OutputGuard
+    from llmaccel.server.metrics import ServerMetrics
+
+    async def full_pool(prompt, output, params):
+        raise RuntimeError("not enough free KV blocks to score this text now")
+
+    metrics = ServerMetrics()
+    guard = OutputGuard(GuardConfig(sample_rate=1.0), full_pool, metrics)
+    answer = CompletionOutput(index=0, text="hi", token_ids=[5, 6], finish_reason="length")
+    assert asyncio.run(guard.review([1, 2], SamplingParams(max_tokens=2), answer, None)) is None
+    assert b"llmaccel_guard_skipped_total 1.0" in metrics.render()

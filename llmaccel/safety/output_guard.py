@@ -10,7 +10,8 @@ at temperature max(T, `retry_temperature`) + 0.25 per further retry; the first r
 threshold is served ("resampled"), and if none is, the one with the lowest KL is served, flagged.
 
 A streamed answer is checked when it ends, before its final chunk: the client has seen every token
-by then, so it is not resampled; the final chunk says whether it was anomalous.
+by then, so it is not resampled; the final chunk says whether it was anomalous. When the KV pool has
+no room to score an answer (a full server), it is served unchecked and counted as skipped.
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ class OutputGuard:
         stream). None when it was not checked."""
         if not self.wants(output):
             return None
-        score = await self._check(prompt_ids, output, params)
+        try:
+            score = await self._check(prompt_ids, output, params)
+        except RuntimeError as exc:  # no free KV blocks to score with now: serve it unchecked, not fail it
+            self.metrics.guard_skipped.inc()
+            logger.warning("output guard: answer served unchecked (%s)", exc)
+            return None
         anomalous = score.mean_kl > self.config.max_kl
         self.num_reviewed += 1
         self.num_anomalous += anomalous

@@ -96,6 +96,8 @@ class ServerMetrics:
         self.guard_resample_successes = Counter(PREFIX + "guard_resample_successes",
                                                 "Anomalous answers replaced by a retry under the threshold.",
                                                 registry=r)
+        self.guard_skipped = Counter(PREFIX + "guard_skipped", "Answers served unchecked: no KV room to score them.",
+                                     registry=r)
         self.guard_flagged = Counter(PREFIX + "guard_flagged", "Answers served flagged: every try anomalous.",
                                      registry=r)
         self.guard_abnormal_ratio = Gauge(PREFIX + "guard_abnormal_output_ratio",

@@ -164,6 +164,11 @@ def test_streamed_redaction_equals_whole_redaction(piece):
     stream = OutputTextFilter(text_filter)
     streamed = "".join(stream.push(text[i:i + piece], False) for i in range(0, len(text), piece))
     assert streamed + stream.push("", True) == whole
+    long_text = ("Some ordinary words go here. " * 40 + text) * 3  # far past the filter's look-back
+    stream = OutputTextFilter(text_filter)
+    streamed = "".join(stream.push(long_text[i:i + piece], False) for i in range(0, len(long_text), piece))
+    assert streamed + stream.push("", True) == OutputTextFilter(text_filter).whole(long_text)
+    assert OutputTextFilter(text_filter).whole(long_text).count("[REDACTED]") == 9
 
 
 def test_an_answer_the_engine_cannot_score_now_is_served_unchecked():

@@ -4,12 +4,16 @@
 begins (finish_reason "content_filter"). A stream holds back its last `holdback` characters until
 more text or the end arrives, so a match that is still growing (a secret key, say) is redacted before
 any of it is sent; a match longer than that can only be redacted from where it was still held back.
+Each push checks the text from `LOOKBACK` characters before what was released, not the whole answer,
+so a long stream costs linear time; a rule needing several terms sees them only within that reach.
 """
 
 from __future__ import annotations
 
 from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.rules import Action
+
+LOOKBACK = 256
 
 
 class OutputTextFilter:
@@ -28,14 +32,18 @@ class OutputTextFilter:
         if self.stopped_by is not None:
             return ""
         self.raw += delta
-        result = self.text_filter.check(self.raw)
+        base = max(0, self.released - LOOKBACK)
+        window = self.raw[base:]
+        result = self.text_filter.check(window)
         self._count(result.matches)
         end = len(self.raw)
         if result.blocked_by is not None:
             self.stopped_by = result.blocked_by.rule.id
-            end, final = min(start for start, _ in self.text_filter.spans(self.raw, [result.blocked_by.rule])), True
+            end = base + min(start for start, _ in self.text_filter.spans(window, [result.blocked_by.rule]))
+            final = True
         redact = [m.rule for m in result.matches if m.rule.action is Action.REDACT]
-        spans = self.text_filter.rule_spans(self.raw, redact) if redact else []
+        spans = [(base + start, base + stop, rule)
+                 for start, stop, rule in (self.text_filter.rule_spans(window, redact) if redact else [])]
         limit = end if final else max(self.released, end - self.holdback)
         for start, stop, _ in spans:  # hold back a match that may still grow
             if not final and start >= self.released and start < limit < stop:

@@ -118,12 +118,14 @@ class ModelRunner:
                   slots: list[int]) -> AttentionMetadata:
         device = self.device
         tables = lens = None
+        max_len = 0
         if decodes:
             width = max(len(s.request.block_ids) for s in decodes)
             tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes],
                                   dtype=torch.int32, device=device)
-            lens = torch.tensor([s.request.num_computed_tokens + 1 - self._skipped(s.request) for s in decodes],
-                                dtype=torch.int32, device=device)
+            context = [s.request.num_computed_tokens + 1 - self._skipped(s.request) for s in decodes]
+            lens = torch.tensor(context, dtype=torch.int32, device=device)
+            max_len = max(context)
         spans = []
         offset = len(decodes)
         for item in prefills:
@@ -136,7 +138,8 @@ class ModelRunner:
             offset += item.num_new_tokens
         return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                                  num_decode_tokens=len(decodes), decode_block_tables=tables,
-                                 decode_context_lens=lens, prefills=spans, block_size=self.block_size)
+                                 decode_context_lens=lens, prefills=spans, block_size=self.block_size,
+                                 decode_max_len=max_len)
 
     def sampling_row(self, request: Request) -> SamplingRow:
         params = request.params

@@ -53,10 +53,11 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._adjust(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        all_greedy = all(r.params.greedy for r in rows)  # known on the host: no device sync
         tokens = logits.argmax(dim=-1)
-        probs = self._probs(logits, rows) if confidence or not bool(greedy.all()) else None
-        if not bool(greedy.all()):
+        probs = self._probs(logits, rows) if confidence or not all_greedy else None
+        if not all_greedy:
+            greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
             tokens = torch.where(greedy, tokens, self._race(probs, rows))
         token_list = tokens.tolist()
 

@@ -39,21 +39,34 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [D] int32
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
+    decode_max_len: int = 0  # the longest decode context, known on the host (no device sync to find it)
+    # the torch decode path's gather (slots, mask) per window, built at the first layer, reused by the rest
+    decode_gathers: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def decode_gather(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_len: int,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool slot of every key position of every decoding sequence, [S, max_len], padded with a real
+    slot, and which of them each query sees (its context, and only its window)."""
+    positions = torch.arange(max_len, device=block_tables.device)
+    blocks = block_tables.long()[:, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    lens = context_lens[:, None].long()
+    valid = positions[None, :] < lens
+    if window is not None:
+        valid &= positions[None, :] >= lens - window
+    return torch.where(valid, slots, slots[:, :1]), valid  # padding reads a real slot: finite, masked out
 
 
 def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                               scale: float, window: int | None = None) -> torch.Tensor:
-    """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]."""
-    num_seqs, num_heads, head_dim = q.shape
-    max_len = int(context_lens.max())
-    positions = torch.arange(max_len, device=q.device)
-    blocks = block_tables.long()[:, positions // block_size]
-    slots = blocks * block_size + positions % block_size
-    valid = positions[None, :] < context_lens[:, None].long()
-    if window is not None:
-        valid &= positions[None, :] >= context_lens[:, None].long() - window
-    slots = torch.where(valid, slots, slots[:, :1])  # pad with a real slot: finite values, masked out
+                               scale: float, window: int | None = None,
+                               gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]. `gather`: from
+    decode_gather, when the caller has it already."""
+    if gather is None:
+        gather = decode_gather(block_tables, context_lens, block_size, int(context_lens.max()), window)
+    slots, valid = gather
     keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
     values = v_cache[slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
@@ -92,9 +105,14 @@ class PagedAttention:
                                                  meta.decode_context_lens, meta.block_size, window or 0,
                                                  self.scale))
             else:
+                gather = meta.decode_gathers.get(window)
+                if gather is None:
+                    max_len = meta.decode_max_len or int(meta.decode_context_lens.max())
+                    gather = meta.decode_gathers[window] = decode_gather(
+                        meta.decode_block_tables, meta.decode_context_lens, meta.block_size, max_len, window)
                 parts.append(reference_decode_attention(q_decode, k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_context_lens, meta.block_size, self.scale,
-                                                        window))
+                                                        window, gather))
         for span in meta.prefills:
             parts.append(self._prefill(q, k, v, k_cache, v_cache, span, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -24,9 +24,10 @@ def validation_ids(tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:VALIDATION_TOKENS]
 
 
-def validation_perplexity(engine) -> float:
-    """Perplexity of the engine's model on the validation slice (one prefill; call between steps)."""
-    logprobs = engine.score(validation_ids(engine.tokenizer))
+def validation_perplexity(engine, ids: list[int] | None = None) -> float:
+    """Perplexity of the engine's model on the validation slice (one prefill; call between steps);
+    `ids`: the slice already tokenized."""
+    logprobs = engine.score(ids if ids is not None else validation_ids(engine.tokenizer))
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
@@ -59,11 +60,14 @@ class QualityWatch:
         self.report = report
         self.reference: float | None = None
         self._reference_known = False
+        self._ids: list[int] | None = None  # the slice, tokenized at the first check
 
     def __call__(self, engine) -> None:
         if not self._reference_known:
             self.reference, self._reference_known = reference_perplexity(engine), True
-        measured = validation_perplexity(engine)
+        if self._ids is None:
+            self._ids = validation_ids(engine.tokenizer)
+        measured = validation_perplexity(engine, self._ids)
         if self.reference is None:
             self.reference = measured
         self.report(measured, self.reference)

@@ -154,7 +154,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             return state.model_names[0]
         if requested not in state.model_names:
             raise APIError(400, f"the model {requested!r} does not exist; this server serves "
-                           f"{', '.join(repr(m) for m in state.model_names)}", param="model", code="model_not_found")
+                           f"{', '.join(repr(m) for m in state.model_names)}", param="model", code="model_not_found",
+                           rejected="invalid_request")
         return requested
 
     api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])

@@ -127,7 +127,6 @@ class LLMEngine:
         self._counter = 0
         self.num_steps = 0
         self.last_step = StepStats(0, 0)
-        self.last_score_blocks = 0
         self.record_confidence = False  # the output guard wants each sample's mean top probability
 
     # ---- requests -------------------------------------------------------------------------------
@@ -185,10 +184,12 @@ class LLMEngine:
         sinks and the window, as a long conversation would. `last_score_blocks` says how many blocks
         it held at most."""
         self.check_prompt(token_ids)
-        try:
-            return self.scorer.logprobs(token_ids)
-        finally:
-            self.last_score_blocks = self.scorer.last_blocks
+        return self.scorer.logprobs(token_ids)
+
+    @property
+    def last_score_blocks(self) -> int:
+        """The most KV blocks the last `score` held."""
+        return self.scorer.last_blocks
 
     def divergence(self, prompt_ids: list[int], output_ids: list[int], params: SamplingParams) -> Divergence:
         """How far a finished continuation's sampling distributions were from the reference (see
@@ -197,19 +198,23 @@ class LLMEngine:
                           self.spec.eos_token_ids)
 
     def reference_scorer(self) -> SequenceScorer | None:
-        """A full-precision copy of the model, built at the first call, when a variant quantized at load
-        is served; None otherwise (a float model is its own reference; a checkpoint saved quantized has
-        no float weights to compare with)."""
+        """The scorer of a full-precision copy of the model (see float_copy), built at the first call
+        and kept; None when there is none to build."""
+        if self._reference is None:
+            float_engine = self.float_copy(cdiv(self.max_model_len, self.config.cache.block_size) + 1)
+            self._reference = float_engine.scorer if float_engine is not None else None
+        return self._reference
+
+    def float_copy(self, num_kv_blocks: int) -> LLMEngine | None:
+        """A second engine on the same checkpoint without quantization, with `num_kv_blocks` of KV, when
+        this one quantizes at load; None otherwise (a float model is its own reference, and a checkpoint
+        saved quantized has no float weights to load)."""
         model = self.config.model
         if (model.quantization is None and not model.quantize_embedding) or self._quantized_checkpoint:
             return None
-        if self._reference is None:
-            blocks = cdiv(self.max_model_len, self.config.cache.block_size) + 1
-            float_engine = LLMEngine(EngineConfig.create(model.model, device=model.device, dtype=model.dtype,
-                                                         block_size=self.config.cache.block_size,
-                                                         num_kv_blocks=blocks, max_model_len=self.max_model_len))
-            self._reference = float_engine.scorer
-        return self._reference
+        return LLMEngine(EngineConfig.create(model.model, device=model.device, dtype=model.dtype,
+                                             block_size=self.config.cache.block_size, num_kv_blocks=num_kv_blocks,
+                                             max_model_len=self.max_model_len))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""

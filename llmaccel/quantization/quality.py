@@ -40,17 +40,8 @@ def reference_perplexity(engine) -> float | None:
     saved = read_quantization_config(engine.hf_dir)
     if saved is not None:
         return saved.get("reference_perplexity")
-    model = engine.config.model
-    if model.quantization is None and not model.quantize_embedding:
-        return None
-    from llmaccel.config import EngineConfig
-    from llmaccel.engine.engine import LLMEngine
-
-    block_size = engine.config.cache.block_size
-    float_engine = LLMEngine(EngineConfig.create(model.model, device=model.device, dtype=model.dtype,
-                                                 block_size=block_size,
-                                                 num_kv_blocks=VALIDATION_TOKENS // block_size + 1))
-    return validation_perplexity(float_engine)
+    float_engine = engine.float_copy(VALIDATION_TOKENS // engine.config.cache.block_size + 1)
+    return validation_perplexity(float_engine) if float_engine is not None else None
 
 
 class QualityWatch:

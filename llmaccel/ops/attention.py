@@ -60,12 +60,15 @@ def decode_gather(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
 
 def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                               scale: float, window: int | None = None,
-                               gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]. `gather`: from
-    decode_gather, when the caller has it already."""
-    if gather is None:
-        gather = decode_gather(block_tables, context_lens, block_size, int(context_lens.max()), window)
+                               scale: float, window: int | None = None) -> torch.Tensor:
+    """Plain torch: gather each sequence's keys by slot, pad, mask, SDPA. q: [S, H, D]."""
+    gather = decode_gather(block_tables, context_lens, block_size, int(context_lens.max()), window)
+    return gathered_decode_attention(q, k_cache, v_cache, gather, scale)
+
+
+def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              gather: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """Decode attention over the slots and mask of `decode_gather`. q: [S, H, D]."""
     slots, valid = gather
     keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
     values = v_cache[slots].transpose(1, 2)
@@ -110,9 +113,7 @@ class PagedAttention:
                     max_len = meta.decode_max_len or int(meta.decode_context_lens.max())
                     gather = meta.decode_gathers[window] = decode_gather(
                         meta.decode_block_tables, meta.decode_context_lens, meta.block_size, max_len, window)
-                parts.append(reference_decode_attention(q_decode, k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, meta.block_size, self.scale,
-                                                        window, gather))
+                parts.append(gathered_decode_attention(q_decode, k_cache, v_cache, gather, self.scale))
         for span in meta.prefills:
             parts.append(self._prefill(q, k, v, k_cache, v_cache, span, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

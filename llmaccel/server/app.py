@@ -143,9 +143,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     def check_api_key(request: Request) -> None:
         if config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+        if not hmac.compare_digest(_bearer_token(request).encode(), config.api_key.encode()):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", code="invalid_api_key", rejected="unauthorized")
 
@@ -197,11 +195,17 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     return app
 
 
+def _bearer_token(request: Request) -> str:
+    """The key of 'Authorization: Bearer <key>', or "" without one."""
+    header = request.headers.get("authorization", "")
+    return header[7:] if header[:7].lower() == "bearer " else ""
+
+
 def _client_id(request: Request) -> str:
     """Whom a rate limit counts against: the API key sent, else the client's address."""
-    header = request.headers.get("authorization", "")
-    if header[:7].lower() == "bearer " and header[7:]:
-        return "key:" + header[7:]
+    token = _bearer_token(request)
+    if token:
+        return "key:" + token
     return "address:" + (request.client.host if request.client else "unknown")
 
 
@@ -214,11 +218,11 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
                        f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
                        rejected="rate_limited")
+    prompt_param = "messages" if hasattr(body, "messages") else "prompt"
     try:
         job = serving.submit(body, model)
     except ContentFilterError as exc:
-        raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
-                       code="content_filter", rejected="content_filter") from None
+        raise APIError(400, str(exc), param=prompt_param, code="content_filter", rejected="content_filter") from None
     except EngineOverloadedError as exc:
         raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
                        rejected="queue_full") from None
@@ -226,8 +230,8 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable",
                        rejected="unavailable") from None
     except PromptTooLongError as exc:
-        raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
-                       code="context_length_exceeded", rejected="invalid_request") from None
+        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded",
+                       rejected="invalid_request") from None
     except ValueError as exc:
         raise APIError(400, str(exc), rejected="invalid_request") from None
     if limiter is not None:

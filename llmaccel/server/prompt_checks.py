@@ -20,11 +20,11 @@ from llmaccel.errors import ContentFilterError, InvalidRequestError
 from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.rules import Action
 from llmaccel.server import protocol as p
+from llmaccel.server.job import AnyRequest
 from llmaccel.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
 # NUL, and lone UTF-16 surrogates ("\ud800" in JSON), which no tokenizer can encode. Other control
 # characters pass: pasted terminal output holds ESC sequences, source code form feeds; the input
 # filter deletes them before matching, so they cannot split a word to hide it.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmaccel.config import EngineConfig, ServerConfig
 from llmaccel.engine.engine import LLMEngine
@@ -39,6 +40,24 @@ class LiveServer:
             time.sleep(0.02)
         raise AssertionError(f"engine not idle: {self.engine.num_unfinished_requests} requests, "
                              f"{self.engine.num_free_blocks}/{self.engine.num_blocks} blocks free")
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """/metrics -> {sample name: {labels: value}} via prometheus-client's own parser."""
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def metric(server: LiveServer, name: str, **labels: str) -> float:
+    """One sample of /metrics. A metric without labels must be there; a labelled sample not yet
+    counted reads 0 (prometheus exports no child before its first increment)."""
+    samples = scrape(server.url)
+    if not labels:
+        return samples[name][()]
+    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
 
 
 def _free_socket() -> socket.socket:

@@ -19,17 +19,10 @@ from llmaccel.safety.normalize import normalize
 from llmaccel.safety.output_filter import OutputTextFilter
 from llmaccel.safety.rules import load_rules
 from llmaccel.sampling_params import SamplingParams
-from tests.live_server import MODEL_NAME, live_server
+from tests.live_server import MODEL_NAME, live_server, metric
 from tests.tiny_models import _hf_model
 
 PROMPT = [5, 17, 42, 99, 7, 23, 61, 8, 150, 33]
-
-
-def _metric(server, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def _corrupted_int8_engine(model_dir):
@@ -77,12 +70,12 @@ def test_a_corrupted_variant_is_resampled_then_served_flagged(llama_dir):
         assert response.status_code == 200 and response.headers["x-llmaccel-guard"] == "flagged"
         [report] = response.json()["guard"]
         assert report["verdict"] == "flagged" and report["attempts"] == 3 and report["mean_kl"] > 0.35
-        assert _metric(server, "llmaccel_guard_checks_total") == 3
-        assert _metric(server, "llmaccel_guard_anomalies_total") == 1
-        assert _metric(server, "llmaccel_guard_resamples_total") == 2
-        assert _metric(server, "llmaccel_guard_flagged_total") == 1
-        assert _metric(server, "llmaccel_guard_abnormal_output_ratio") == 1.0
-        assert _metric(server, "llmaccel_engine_requests_total") == 3  # the answer and two retries
+        assert metric(server, "llmaccel_guard_checks_total") == 3
+        assert metric(server, "llmaccel_guard_anomalies_total") == 1
+        assert metric(server, "llmaccel_guard_resamples_total") == 2
+        assert metric(server, "llmaccel_guard_flagged_total") == 1
+        assert metric(server, "llmaccel_guard_abnormal_output_ratio") == 1.0
+        assert metric(server, "llmaccel_engine_requests_total") == 3  # the answer and two retries
         server.wait_idle()
 
 
@@ -96,12 +89,12 @@ def test_a_distorting_temperature_is_resampled_hotter_and_passes(llama_dir):
         assert raw.headers["x-llmaccel-guard"] == "resampled"
         body = raw.http_response.json()
         assert body["guard"][0]["attempts"] == 2 and body["guard"][0]["mean_kl"] < 1e-6
-        assert _metric(server, "llmaccel_guard_resample_successes_total") == 1
+        assert metric(server, "llmaccel_guard_resample_successes_total") == 1
         assert body["usage"]["completion_tokens"] == 16
         greedy = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
                                                              temperature=0)
         assert greedy.headers["x-llmaccel-guard"] == "pass"
-        assert _metric(server, "llmaccel_guard_abnormal_output_ratio") == 0.5
+        assert metric(server, "llmaccel_guard_abnormal_output_ratio") == 0.5
 
 
 def test_a_stream_is_checked_before_its_final_chunk_and_never_resampled(llama_dir):
@@ -112,13 +105,13 @@ def test_a_stream_is_checked_before_its_final_chunk_and_never_resampled(llama_di
                                                 stream=True, extra_body={"ignore_eos": True}))
         final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
         assert len(final) == 1 and final[0].model_extra["guard"][0]["verdict"] == "anomalous"
-        assert _metric(server, "llmaccel_guard_resamples_total") == 0
+        assert metric(server, "llmaccel_guard_resamples_total") == 0
 
 
 def test_the_confidence_trigger_checks_only_confident_answers(llama_dir):
     with live_server(llama_dir, guard_confidence=0.999) as server:  # the tiny model is never that sure
         response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
-        assert "x-llmaccel-guard" not in response.headers and _metric(server, "llmaccel_guard_checks_total") == 0
+        assert "x-llmaccel-guard" not in response.headers and metric(server, "llmaccel_guard_checks_total") == 0
     with live_server(llama_dir, guard_confidence=0.001) as server:
         response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
         assert response.headers["x-llmaccel-guard"] == "pass"

@@ -14,7 +14,7 @@ from llmaccel.cache import result_cache as rc
 from llmaccel.cache.result_cache import ResultCache, cache_key, is_cacheable
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmaccel.sampling_params import SamplingParams
-from tests.live_server import MODEL_NAME, live_server
+from tests.live_server import MODEL_NAME, live_server, metric
 
 
 def _outputs(text: str) -> list[RequestOutput]:
@@ -74,11 +74,6 @@ def client_for():
     return make
 
 
-def _metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
 def test_a_repeated_request_is_answered_from_the_cache(llama_dir, client_for):
     with live_server(llama_dir, result_cache=True) as server:
         client = client_for(server)
@@ -89,15 +84,15 @@ def test_a_repeated_request_is_answered_from_the_cache(llama_dir, client_for):
         a, b = first.parse(), second.parse()
         assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
         assert b.usage.completion_tokens == 8
-        assert _metric(server, "llmaccel_engine_requests_total") == 1
-        assert _metric(server, "llmaccel_result_cache_hits_total") == 1
-        assert _metric(server, "llmaccel_result_cache_misses_total") == 1
+        assert metric(server, "llmaccel_engine_requests_total") == 1
+        assert metric(server, "llmaccel_result_cache_hits_total") == 1
+        assert metric(server, "llmaccel_result_cache_misses_total") == 1
         opted_out = client.completions.with_raw_response.create(**args, extra_body={"result_cache": False})
         assert opted_out.headers["x-llmaccel-cache"] == "bypass"
         sampled = dict(args, temperature=0.9)
         for _ in range(2):
             assert client.completions.with_raw_response.create(**sampled).headers["x-llmaccel-cache"] == "bypass"
-        assert _metric(server, "llmaccel_engine_requests_total") == 4
+        assert metric(server, "llmaccel_engine_requests_total") == 4
         server.wait_idle()
 
 
@@ -116,7 +111,7 @@ def test_a_streamed_hit_replays_the_original_chunks(llama_dir, client_for):
         assert "".join(d or "" for d in runs[1][0]) and runs[1][1].completion_tokens == 12
         plain = client.chat.completions.create(**{**args, "stream": False, "stream_options": None})
         assert plain.choices[0].message.content == "".join(d or "" for d in runs[0][0])
-        assert _metric(server, "llmaccel_engine_requests_total") == 1
+        assert metric(server, "llmaccel_engine_requests_total") == 1
         server.wait_idle()
 
 
@@ -130,7 +125,7 @@ def test_hits_survive_a_server_restart(llama_dir, client_for, tmp_path):
         raw = client_for(server).completions.with_raw_response.create(**args)
         assert raw.headers["x-llmaccel-cache"] == "hit"
         assert raw.parse().choices[0].text == first.choices[0].text
-        assert _metric(server, "llmaccel_engine_requests_total") == 0
+        assert metric(server, "llmaccel_engine_requests_total") == 0
 
 
 def test_identical_requests_in_flight_share_one_engine_request(llama_dir):
@@ -161,6 +156,6 @@ def test_identical_requests_in_flight_share_one_engine_request(llama_dir):
         replies = asyncio.run(both(server.url))
         texts = [r.json()["choices"][0]["text"] for r in replies]
         assert texts[0] == texts[1] and replies[0].json()["usage"]["completion_tokens"] == 40
-        assert _metric(server, "llmaccel_engine_requests_total") == 1
-        assert _metric(server, "llmaccel_result_cache_shared_total") == 1
+        assert metric(server, "llmaccel_engine_requests_total") == 1
+        assert metric(server, "llmaccel_result_cache_shared_total") == 1
         server.wait_idle()

@@ -11,7 +11,7 @@ import pytest
 
 from llmaccel.config import EngineConfig
 from llmaccel.engine.engine import LLMEngine
-from tests.live_server import MODEL_NAME, live_server
+from tests.live_server import MODEL_NAME, live_server, metric
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -76,18 +76,12 @@ def test_malformed_json_and_non_object_bodies(server):
     assert error_of(listed, 400)["message"]
 
 
-def _rejected_invalid(server) -> float:
-    line = next((line for line in httpx.get(server.url + "/metrics").text.splitlines()
-                 if line.startswith('llmaccel_rejected_requests_total{reason="invalid_request"}')), None)
-    return float(line.split()[-1]) if line else 0.0
-
-
 def test_unknown_model(server):
-    before = _rejected_invalid(server)
+    before = metric(server, "llmaccel_rejected_requests_total", reason="invalid_request")
     error = error_of(httpx.post(server.url + CHAT, json={"model": "gpt-9", "messages": MESSAGES}), 400)
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert "'gpt-9' does not exist" in error["message"] and MODEL_NAME in error["message"]
-    assert _rejected_invalid(server) == before + 1  # counted as refused
+    assert metric(server, "llmaccel_rejected_requests_total", reason="invalid_request") == before + 1  # refused
 
 
 def test_prompt_over_the_context_window_says_how_long(server):

@@ -8,18 +8,8 @@ import asyncio
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.live_server import MODEL_NAME, live_server
-
-
-def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """/metrics -> {sample name: {labels: value}} via prometheus-client's own parser."""
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return samples
+from tests.live_server import MODEL_NAME, live_server, scrape
 
 
 def test_64_concurrent_streams_complete_and_share_steps(llama_dir):

@@ -21,6 +21,7 @@ from llmaccel.engine.async_engine import AsyncEngine, RequestStream
 from llmaccel.engine.detokenizer import token_bytes_function
 from llmaccel.errors import EngineDeadError, PromptTooLongError, RequestTimeoutError
 from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
+from llmaccel.safety.output_filter import OutputTextFilter
 from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
@@ -155,9 +156,7 @@ class OpenAIServing:
             return output
         served, report = await self.answer_checks.finish(job.prompt_ids[i], job.params[i], output,
                                                          lambda params: self._regenerate(job, i, params))
-        if report is not None:
-            job.guard_reports.append(replace(report, output=replace(report.output, index=i * job.request.n
-                                                                    + output.index)))
+        _record(job, i, report)
         return served
 
     async def _regenerate(self, job: Job, i: int, params: SamplingParams) -> CompletionOutput:
@@ -181,7 +180,7 @@ class OpenAIServing:
         usage_field = {"usage": None} if include_usage else {}
         sent_tokens: dict[int, int] = {}
         last: dict[int, RequestOutput] = {}
-        filters: dict[int, object] = {}
+        filters: dict[int, OutputTextFilter] = {}
         ended: set[int] = set()
         if job.is_chat:  # the role comes first, as OpenAI sends it
             yield _sse(self._chunk(job, [p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant",
@@ -203,7 +202,7 @@ class OpenAIServing:
                             ended.add(index)
                             report = await self._review_stream(job, i, c)
                             if report is not None:
-                                reports.append(report.as_dict() | {"index": index})
+                                reports.append(report.as_dict())
                         if c.delta_text or c.finish_reason or new_logprobs:
                             choices.append(self._chunk_choice(job, index, c, new_logprobs))
                     if choices:
@@ -219,11 +218,13 @@ class OpenAIServing:
             yield _sse(self._chunk(job, []), usage=_usage(job, served, last.values()).model_dump())
         yield "data: [DONE]\n\n"
 
-    def _filter_delta(self, filters: dict, index: int, c: CompletionOutput) -> CompletionOutput:
+    def _filter_delta(self, filters: dict[int, OutputTextFilter], index: int, c: CompletionOutput) -> CompletionOutput:
         """The choice's output with its delta through the output filter (stopped: content_filter)."""
         if self.answer_checks is None or self.answer_checks.output_filter is None:
             return c
-        text_filter = filters.get(index) or filters.setdefault(index, self.answer_checks.stream_filter())
+        if index not in filters:
+            filters[index] = self.answer_checks.stream_filter()
+        text_filter = filters[index]
         delta = text_filter.push(c.delta_text, final=c.finish_reason is not None)
         if text_filter.stopped_by is not None:
             return replace(c, delta_text=delta, finish_reason=CONTENT_FILTER, stop_reason=text_filter.stopped_by)
@@ -232,10 +233,7 @@ class OpenAIServing:
     async def _review_stream(self, job: Job, i: int, c: CompletionOutput) -> GuardReport | None:
         if self.answer_checks is None:
             return None
-        report = await self.answer_checks.review_stream(job.prompt_ids[i], job.params[i], c)
-        if report is not None:
-            job.guard_reports.append(report)
-        return report
+        return _record(job, i, await self.answer_checks.review_stream(job.prompt_ids[i], job.params[i], c))
 
     # ---- shapes -----------------------------------------------------------------------------------
     def _chunk(self, job: Job, choices: list) -> BaseModel:
@@ -288,6 +286,15 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
     if isinstance(exc, RequestTimeoutError):
         return p.ErrorInfo(message=str(exc), type="timeout_error", code="request_timeout")
     return p.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
+
+
+def _record(job: Job, i: int, report: GuardReport | None) -> GuardReport | None:
+    """Keep the guard's report on the job, its choice numbered across the job's prompts."""
+    if report is None:
+        return None
+    report = replace(report, output=replace(report.output, index=i * job.request.n + report.output.index))
+    job.guard_reports.append(report)
+    return report
 
 
 def _usage(job: Job, served: list[CompletionOutput], outputs) -> p.Usage:

@@ -64,9 +64,8 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: list[str]) -> d
             async def regenerate(sampling, ids=ids):
                 return llm.generate(ids, sampling, use_tqdm=False)[0].outputs[0]
 
-            first = await measure(ids, answer.token_ids, params)
-            first_kls.append(first.mean_kl)
             report = await guard.review(ids, params, answer, regenerate)
+            first_kls.append(report.first_kl)
             verdicts[report.verdict] += 1
 
     asyncio.run(review_all())

@@ -55,8 +55,9 @@ class GuardConfig:
 class GuardReport:
     verdict: str  # "pass", "resampled", "flagged" (every try anomalous) or "anomalous" (a stream: seen already)
     output: CompletionOutput  # the answer to serve
-    divergence: Divergence
+    divergence: Divergence  # of the answer served
     attempts: int  # generations scored
+    first_kl: float  # the first answer's mean KL, before any resample
 
     def as_dict(self) -> dict:
         return {"index": self.output.index, "verdict": self.verdict, "mean_kl": round(self.divergence.mean_kl, 6),
@@ -101,12 +102,12 @@ class OutputGuard:
         self.num_anomalous += anomalous
         self.metrics.guard_abnormal_ratio.set(self.num_anomalous / self.num_reviewed)
         if not anomalous:
-            return GuardReport("pass", output, score, 1)
+            return GuardReport("pass", output, score, 1, score.mean_kl)
         self.metrics.guard_anomalies.inc()
         if regenerate is None:
             logger.warning("output guard: streamed answer anomalous (mean KL %.3f > %.3f), already sent",
                            score.mean_kl, self.config.max_kl)
-            return GuardReport("anomalous", output, score, 1)
+            return GuardReport("anomalous", output, score, 1, score.mean_kl)
         best, best_score = output, score
         for attempt in range(self.config.retries):
             temperature = max(params.temperature, self.config.retry_temperature) + TEMPERATURE_STEP * attempt
@@ -117,13 +118,13 @@ class OutputGuard:
             candidate_score = await self._check(prompt_ids, candidate, retry_params)
             if candidate_score.mean_kl <= self.config.max_kl:
                 self.metrics.guard_resample_successes.inc()
-                return GuardReport("resampled", candidate, candidate_score, attempt + 2)
+                return GuardReport("resampled", candidate, candidate_score, attempt + 2, score.mean_kl)
             if candidate_score.mean_kl < best_score.mean_kl:
                 best, best_score = candidate, candidate_score
         self.metrics.guard_flagged.inc()
         logger.warning("output guard: every try anomalous (best mean KL %.3f > %.3f); serving it flagged",
                        best_score.mean_kl, self.config.max_kl)
-        return GuardReport("flagged", best, best_score, self.config.retries + 1)
+        return GuardReport("flagged", best, best_score, self.config.retries + 1, score.mean_kl)
 
     async def _check(self, prompt_ids: list[int], output: CompletionOutput, params: SamplingParams) -> Divergence:
         score = await self.measure(prompt_ids, output.token_ids, params)

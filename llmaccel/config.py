@@ -142,7 +142,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ()  # names clients may ask for; () means the --model value
-    api_key: str | None = None  # Bearer token required on /v1/* when set
+    api_keys: tuple[str, ...] = ()  # Bearer tokens accepted on /v1/* (any one of them); (): no key needed
+    protect_metrics: bool = False  # /metrics, /docs, /openapi.json and /version need a key too
+    auth_failures_per_minute: int = 10  # failed authentications allowed per client address; then 429
+    trusted_proxies: tuple[str, ...] = ()  # addresses/networks whose X-Forwarded-For names the client
     max_waiting_requests: int | None = 1024  # more waiting sequences than this get HTTP 429
     request_timeout: float | None = 600.0  # seconds from arrival; None: no limit
     max_batch_delay_ms: float = 0.0  # an idle engine waits this long for more arrivals before a step
@@ -164,6 +167,7 @@ class ServerConfig:
     guard_confidence: float | None = None  # the guard also checks answers at least this confident; None: never
     guard_kl: float = 0.35  # mean per-token KL(served || reference) above this is anomalous
     guard_retries: int = 2  # an anomalous answer is generated again this many times, hotter each time
+    max_failed_steps: int = 3  # engine steps failing in a row before the server exits non-zero to be restarted
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -182,8 +186,12 @@ class ServerConfig:
             raise ValueError(f"result_cache_ttl_s must be > 0, got {self.result_cache_ttl_s}")
         if self.quality_check_interval_s is not None and self.quality_check_interval_s <= 0:
             raise ValueError(f"quality_check_interval_s must be > 0, got {self.quality_check_interval_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        if any(not key or key != key.strip() or any(c in key for c in "\r\n") for key in self.api_keys):
+            raise ValueError("an API key must not be empty or hold spaces at its ends or line breaks")
+        if self.protect_metrics and not self.api_keys:
+            raise ValueError("--protect-metrics needs --api-key (or --api-key-file): there is no key to ask for")
+        if self.auth_failures_per_minute < 1 or self.max_failed_steps < 1:
+            raise ValueError("auth_failures_per_minute and max_failed_steps must be >= 1")
         if self.max_body_bytes < 1 or (self.max_prompt_chars is not None and self.max_prompt_chars < 1):
             raise ValueError("max_body_bytes and max_prompt_chars must be >= 1")
         for name in ("rate_limit_requests", "rate_limit_tokens"):

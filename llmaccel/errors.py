@@ -5,7 +5,12 @@ from __future__ import annotations
 
 
 class LLMAccelError(ValueError):
-    """Base class of every error a user can fix by changing their input."""
+    """Base class of every error a user can fix by changing their input. `param` names the request
+    field at fault, when one is (the server's 400 carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(LLMAccelError):
@@ -31,8 +36,8 @@ class PromptTooLongError(InvalidRequestError):
 class ContentFilterError(InvalidRequestError):
     """A safety rule with the action `block` matched the prompt (HTTP 400, code content_filter)."""
 
-    def __init__(self, message: str, rule_id: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, rule_id: str, param: str | None = None) -> None:
+        super().__init__(message, param)
         self.rule_id = rule_id
 
 
@@ -47,3 +52,13 @@ class RequestTimeoutError(TimeoutError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (a crash or a shutdown); no request can be served (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not compute this request (a bug, not the caller's input): it was ended with
+    finish reason "error", and the engine went on with the others (HTTP 500 naming the request)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"internal error while generating request {request_id}")
+        self.request_id = request_id
+        self.reason = reason  # for the log, never for the client

@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[Logprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     delta_text: str = ""  # text new since this sample's previous output, safe to stream (see detokenizer)
@@ -41,3 +41,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (finish reason "error"), else None

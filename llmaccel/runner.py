@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,14 @@ from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
+
+Sampled = tuple[int, Logprob | None, float | None]  # token, its logprobs (if asked), top probability (if asked)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: dict[str, Sampled]  # request id -> what it sampled
+    failed: dict[str, BaseException]  # request id -> why it could not sample
 
 
 class ModelRunner:
@@ -48,10 +57,11 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def execute(self, output: SchedulerOutput, confidence: bool = False
-                ) -> dict[str, tuple[int, Logprob | None, float | None]]:
+    def execute(self, output: SchedulerOutput, confidence: bool = False) -> StepResult:
         """Run one step; returns the sampled token, its logprobs (if asked) and, with `confidence`, the
-        top probability of its sampling distribution, for every request that samples."""
+        top probability of its sampling distribution, for every request that samples, and the error
+        of each request whose sampling failed (the others are not affected). An error of the forward
+        pass, which no request can be blamed for, is raised."""
         decodes = [s for s in output.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in output.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -72,12 +82,43 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                             meta, self.kv_caches)
         if not sampled_items:
-            return {}
+            return StepResult({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-        rows = [self.sampling_row(item.request) for item in sampled_items]
-        tokens, logprobs, top = self.sampler.sample(logits, rows, confidence)
-        return {item.request.request_id: (tokens[i], logprobs[i], top[i] if top else None)
-                for i, item in enumerate(sampled_items)}
+        rows, keep, failed = [], [], {}
+        for i, item in enumerate(sampled_items):  # a row that cannot be built fails its request alone
+            try:
+                rows.append(self.sampling_row(item.request))
+                keep.append(i)
+            except Exception as exc:
+                failed[item.request.request_id] = exc
+        if len(keep) < len(sampled_items):
+            logits = logits[torch.tensor(keep, device=device)]
+        ids = [sampled_items[i].request.request_id for i in keep]
+        sampled, sample_failures = self._sample(logits, rows, ids, confidence)
+        failed.update(sample_failures)
+        return StepResult(sampled, failed)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str], confidence: bool
+                ) -> tuple[dict[str, Sampled], dict[str, BaseException]]:
+        """One batched call; if it raises, each row alone from the same generator states, so the
+        rows that do not raise get exactly the tokens the batch would have given them."""
+        if not rows:
+            return {}, {}
+        states = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        try:
+            tokens, logprobs, top = self.sampler.sample(logits, rows, confidence)
+            return {rid: (tokens[i], logprobs[i], top[i] if top else None) for i, rid in enumerate(ids)}, {}
+        except Exception:
+            for generator, state in states:
+                generator.set_state(state)
+        sampled, failed = {}, {}
+        for i, (row, rid) in enumerate(zip(rows, ids, strict=True)):
+            try:
+                tokens, logprobs, top = self.sampler.sample(logits[i:i + 1], [row], confidence)
+                sampled[rid] = (tokens[0], logprobs[0], top[0] if top else None)
+            except Exception as exc:
+                failed[rid] = exc
+        return sampled, failed
 
     @torch.inference_mode()
     def chunk_hidden(self, request: Request, count: int) -> torch.Tensor:

@@ -80,7 +80,8 @@ class Sampler:
         """Penalties and min_tokens suppression (a new tensor when anything changes)."""
         if any(r.params.uses_penalties for r in rows):
             logits = self._apply_penalties(logits.clone(), rows)
-        suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids if t < self.vocab_size]
+        suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids
+                    if 0 <= t < self.vocab_size]
         if suppress:
             logits = logits.clone()
             index = torch.tensor(suppress, device=logits.device)
@@ -112,7 +113,7 @@ class Sampler:
         logits = logits / temps[:, None]
         if not truncate:
             return torch.softmax(logits, dim=-1)
-        top_k = [r.params.top_k for r in rows]
+        top_k = [r.params.top_k if r.params.top_k < self.vocab_size else 0 for r in rows]  # >= vocab: no limit
         top_p = [r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):

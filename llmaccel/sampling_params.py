@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+
+from llmaccel.bounds import RANGES, reduce_seed
+
+# Temperatures below this sample greedily (as vLLM): dividing logits by ~1e-30 overflows to inf.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -29,44 +35,57 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        self._validate()
+        if self.seed is not None:
+            object.__setattr__(self, "seed", reduce_seed(self.seed))
 
     def _validate(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in _RANGED:  # the same table the server's request models are built from
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                _check_kind(name, value, RANGES[name].kind)
+                RANGES[name].check(name, value)
+                if RANGES[name].kind is float:  # an integer such as 2**63 would overflow a torch tensor
+                    object.__setattr__(self, name, _finite_float(name, value))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("every stop string must be a non-empty string")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for i, token in enumerate(self.stop_token_ids):
+            _check_kind(f"stop_token_ids[{i}]", token, int)
+            if token < 0:
+                raise ValueError(f"stop_token_ids[{i}] must be a token id >= 0, got {token}")
+        if self.seed is not None:
+            _check_kind("seed", self.seed, int)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+_OPTIONAL = {"max_tokens", "logprobs"}  # None: up to the context window / no logprobs
+_RANGED = [f.name for f in fields(SamplingParams) if f.name in RANGES]
+
+
+def _finite_float(name: str, value: float) -> float:
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+def _check_kind(name: str, value: object, kind: type) -> None:
+    """Integers for integer fields; finite real numbers for float fields (bools are neither)."""
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if not ok or isinstance(value, bool):
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")

@@ -77,7 +77,7 @@ def live_server(model_dir, engine_factory: Callable[[], LLMEngine] | None = None
     options = {"num_kv_blocks": 256, "max_num_seqs": 64, **(engine_options or {})}
     factory = engine_factory or (lambda: LLMEngine(EngineConfig.create(str(model_dir), **options)))
     app = create_app(config, factory, model_name=MODEL_NAME)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, proxy_headers=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app.state.server, server)

@@ -167,21 +167,27 @@ def test_watchdog_logs_slow_steps(engine):
     assert any("engine step running for" in r.getMessage() for r in records)
 
 
-def test_a_crashing_engine_fails_requests_in_flight_and_refuses_new_ones(engine):
+def test_an_engine_whose_steps_keep_failing_stops_fails_requests_in_flight_and_refuses_new_ones(engine):
+    calls, deaths = [], []
+
     def broken_step(*args, **kwargs):
+        calls.append(1)
         raise RuntimeError("kernel exploded")
 
     engine.step = broken_step
 
     async def go(ae: AsyncEngine):
-        with pytest.raises(EngineDeadError, match="kernel exploded"):
+        with pytest.raises(EngineDeadError, match="repeated internal errors") as info:
             async for _ in ae.add_request([5, 6, 7], GREEDY):
                 pass
+        assert "kernel exploded" not in str(info.value)  # internals stay in the log
         assert not ae.is_alive
         with pytest.raises(EngineDeadError):
             ae.add_request([5, 6, 7], GREEDY)
 
-    run(go, engine)
+    run(go, engine, max_failed_steps=4, on_dead=deaths.append)
+    assert len(calls) == 4 and [str(e) for e in deaths] == ["kernel exploded"]
+    assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.num_blocks
 
 
 def test_shutdown_aborts_what_is_left_and_frees_every_block(engine):

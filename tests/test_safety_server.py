@@ -136,7 +136,7 @@ def test_other_control_characters_pass_and_cannot_hide_a_word_from_the_filter(se
 
 
 def test_requests_per_minute_per_api_key(llama_dir):
-    with live_server(llama_dir, rate_limit_requests=2) as live:
+    with live_server(llama_dir, rate_limit_requests=2, api_keys=("alice", "bob")) as live:
         alice, bob = _client(live, "alice"), _client(live, "bob")
         _chat(alice, "one")
         _chat(alice, "two")

@@ -13,7 +13,7 @@ from llmaccel.sampling_params import SamplingParams
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(n=0), "n must be >= 1"),
     (dict(max_tokens=0), "max_tokens must be >= 1"),
-    (dict(top_k=-2), "top_k must be >= 0"),
+    (dict(top_k=-2), "top_k must be >= -1"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\]"),
     (dict(repetition_penalty=0), "repetition_penalty must be > 0"),

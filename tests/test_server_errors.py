@@ -33,12 +33,12 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 BAD_BODIES = [  # (path, body, param the error must name, words the message must contain)
     (CHAT, {"messages": MESSAGES, "temperature": "hot"}, "temperature", "valid number"),
-    (CHAT, {"messages": MESSAGES, "temperature": 3}, "temperature", "less than or equal to 2"),
-    (CHAT, {"messages": MESSAGES, "top_p": 0}, "top_p", "greater than 0"),
-    (CHAT, {"messages": MESSAGES, "n": 0}, "n", "greater than or equal to 1"),
+    (CHAT, {"messages": MESSAGES, "temperature": 3}, "temperature", "must be in [0, 2] (got 3)"),
+    (CHAT, {"messages": MESSAGES, "top_p": 0}, "top_p", "must be in (0, 1] (got 0)"),
+    (CHAT, {"messages": MESSAGES, "n": 0}, "n", "must be in [1, 128]"),
     (CHAT, {"messages": MESSAGES, "max_tokens": "5"}, "max_tokens", "valid integer"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-    (CHAT, {"messages": MESSAGES, "presence_penalty": 5}, "presence_penalty", "less than or equal to 2"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "must be >= 1"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": 5}, "presence_penalty", "must be in [-2, 2]"),
     (CHAT, {"messages": MESSAGES, "top_logprobs": 30, "logprobs": True}, "top_logprobs", "20"),
     (CHAT, {"messages": MESSAGES, "stream": "yes"}, "stream", "valid boolean"),
     (CHAT, {"messages": MESSAGES, "stop": ["ok", ""]}, "stop", "non-empty"),
@@ -56,8 +56,8 @@ BAD_BODIES = [  # (path, body, param the error must name, words the message must
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "20"),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "echo"),
     (COMPLETIONS, {"prompt": "hi", "min_tokens": 10, "max_tokens": 5}, None, "min_tokens"),
-    (COMPLETIONS, {"prompt": "hi", "top_k": -5}, "top_k", "greater than or equal to -1"),
-    (COMPLETIONS, {"prompt": [[1, 2], [99999]]}, None, "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "hi", "top_k": -5}, "top_k", "must be >= -1"),
+    (COMPLETIONS, {"prompt": [[1, 2], [99999]]}, "prompt", "prompt[1][0]: token id 99999 is outside the vocabulary"),
     (COMPLETIONS, {"prompt": ""}, None, "prompt is empty"),
 ]
 
@@ -119,7 +119,7 @@ def test_request_timeout_gives_504_or_an_error_event_and_frees_blocks(llama_dir)
 
 
 def test_api_key_is_required_on_v1_only(llama_dir):
-    with live_server(llama_dir, api_key="sekrit") as server:
+    with live_server(llama_dir, api_keys=("sekrit",)) as server:
         assert error_of(httpx.get(server.url + "/v1/models"), 401)["code"] == "invalid_api_key"
         wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer nope"})
         assert error_of(wrong, 401)["code"] == "invalid_api_key"
@@ -175,7 +175,7 @@ def test_failed_load_is_reported_by_health(llama_dir):
         assert error_of(httpx.post(server.url + CHAT, json={"messages": MESSAGES}), 503)["code"] == "not_ready"
 
 
-def test_a_dead_engine_turns_health_red_and_requests_get_503(llama_dir):
+def test_an_engine_whose_steps_keep_failing_turns_health_red_and_requests_get_503(llama_dir):
     def fragile() -> LLMEngine:
         engine = LLMEngine(EngineConfig.create(str(llama_dir), num_kv_blocks=64))
         real_step = engine.step
@@ -192,8 +192,9 @@ def test_a_dead_engine_turns_health_red_and_requests_get_503(llama_dir):
         with httpx.stream("POST", server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 50, "stream": True,
                                                                    "ignore_eos": True}) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and "kernel exploded" in lines[-2]
-        assert '"code":"engine_unavailable"' in lines[-2]
+        assert lines[-1] == "data: [DONE]" and "repeated internal errors" in lines[-2]
+        assert '"code":"engine_unavailable"' in lines[-2] and "kernel exploded" not in lines[-2]
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json() == {"status": "dead"}
+        assert server.state.engine_died
         assert error_of(httpx.post(server.url + COMPLETIONS, json={"prompt": "hi"}), 503)["code"] == "not_ready"

@@ -27,7 +27,7 @@ from llmaccel.sampling_params import SamplingParams
 
 def is_cacheable(params: SamplingParams) -> bool:
     """Only a deterministic request has one right answer to remember."""
-    return params.n == 1 and (params.temperature == 0 or params.seed is not None)
+    return params.n == 1 and (params.greedy or params.seed is not None)
 
 
 def cache_key(variant: str, prompt_token_ids: list[int], params: SamplingParams) -> str:

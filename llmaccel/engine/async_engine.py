@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from llmaccel.engine.engine import LLMEngine, StepStats
-from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
+from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from llmaccel.outputs import RequestOutput
 from llmaccel.sampling_params import SamplingParams
 
@@ -115,9 +115,12 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_batch_delay_s: float = 0.0,
                  step_warn_s: float = 10.0, max_waiting_requests: int | None = None,
-                 on_step: StepObserver | None = None, background: BackgroundTask | None = None) -> None:
+                 on_step: StepObserver | None = None, background: BackgroundTask | None = None,
+                 max_failed_steps: int = 3, on_dead: Callable[[BaseException], None] | None = None) -> None:
         if max_batch_delay_s < 0 or step_warn_s <= 0:
             raise ValueError("max_batch_delay_s must be >= 0 and step_warn_s > 0")
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         if background is not None and background.interval_s <= 0:
             raise ValueError(f"the {background.name} interval must be > 0 seconds, got {background.interval_s}")
         self.background = background
@@ -128,6 +131,9 @@ class AsyncEngine:
         self.step_warn_s = step_warn_s
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.max_failed_steps = max_failed_steps
+        self.on_dead = on_dead  # called (in the engine thread) when the loop stops for good after errors
+        self._failed_steps = 0  # in a row
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[_Add | _Abort | _Call] = deque()
         self._pending_adds = 0  # sequences queued for the engine thread, not yet in its scheduler
@@ -166,8 +172,8 @@ class AsyncEngine:
         engine is not running (EngineDeadError)."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running" if self._error is None
-                                  else f"the engine stopped after an error: {self._error!r}")
-        self.engine.check_prompt(prompt_token_ids)
+                                  else "the engine stopped after repeated internal errors")
+        self.engine.check_request(prompt_token_ids, params)
         if request_id is None:
             request_id = f"areq-{next(self._ids)}"
         if request_id in self._streams:
@@ -220,7 +226,10 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            self._deliver_to(output.request_id, output)
+            if output.error is not None:  # the engine failed this request alone: its stream raises
+                self._deliver_to(output.request_id, RequestFailedError(output.request_id, output.error))
+            else:
+                self._deliver_to(output.request_id, output)
 
     def _deliver_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -245,38 +254,73 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._set_ready, exc)
             return
         self._loop.call_soon_threadsafe(self._set_ready, None)
-        try:
-            while True:
-                with self._cond:
-                    while not (self._commands or engine.has_unfinished_requests() or self._stopping
-                               or self._background_wait() == 0):
-                        self._cond.wait(self._background_wait())
-                    if self._stopping:
-                        break
-                    idle = not engine.has_unfinished_requests()
-                self._apply_commands()
-                if idle and self.max_batch_delay_s > 0:
-                    self._gather_arrivals(time.monotonic() + self.max_batch_delay_s)
-                self._run_background(idle=not engine.has_unfinished_requests())
-                if not engine.has_unfinished_requests():
-                    continue
-                self._step_started = time.monotonic()
-                outputs = engine.step()
-                took = time.monotonic() - self._step_started
-                self._step_started = None
-                if self.on_step is not None and engine.last_step.num_seqs:
-                    self.on_step(engine.last_step, took, engine.num_preemptions)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as exc:  # a bug, not a bad request: every request in flight must hear of it
-            self._error = exc
-            logger.exception("the engine loop stopped")
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc!r}"))
-            return
+        while True:
+            try:
+                outcome = self._iterate(engine)
+                if outcome == "stop":
+                    break
+                if outcome != "idle":  # idle passes neither break nor extend a run of failed steps
+                    self._failed_steps = self._failed_steps + 1 if outcome == "failed" else 0
+                error: BaseException = RuntimeError(f"the forward pass failed {self._failed_steps} steps in a row")
+            except Exception as exc:  # a fault outside any one request: logged, and the loop goes on
+                self._failed_steps += 1
+                logger.exception("engine loop iteration failed (%d in a row)", self._failed_steps)
+                error = exc
+            except BaseException as exc:  # the thread is being torn down: nobody may wait forever
+                self._die(exc)
+                raise
+            if self._failed_steps >= self.max_failed_steps:
+                self._die(error)
+                return
         self._apply_commands()  # shutting down: take the last aborts and calls, then free every block
         aborted = engine.abort_all()
         if aborted:
             logger.warning("shutdown aborted %d unfinished request(s)", aborted)
+
+    def _iterate(self, engine: LLMEngine) -> str:
+        """One pass of the loop: wait for work, take commands, run one step. Returns "ok" or "failed" (the
+        step's forward pass raised), "idle" when no step ran, "stop" when stopping."""
+        with self._cond:
+            while not (self._commands or engine.has_unfinished_requests() or self._stopping
+                       or self._background_wait() == 0):
+                self._cond.wait(self._background_wait())
+            if self._stopping:
+                return "stop"
+            idle = not engine.has_unfinished_requests()
+        self._apply_commands()
+        if idle and self.max_batch_delay_s > 0:
+            self._gather_arrivals(time.monotonic() + self.max_batch_delay_s)
+        self._run_background(idle=not engine.has_unfinished_requests())
+        if not engine.has_unfinished_requests():
+            return "idle"
+        self._step_started = time.monotonic()
+        try:
+            outputs = engine.step()
+        finally:
+            took = time.monotonic() - self._step_started
+            self._step_started = None
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        if self.on_step is not None and engine.last_step.num_seqs:
+            try:
+                self.on_step(engine.last_step, took, engine.num_preemptions)
+            except Exception:
+                logger.exception("the step observer failed")
+        return "failed" if engine.last_step_failed else "ok"
+
+    def _die(self, error: BaseException) -> None:
+        """Steps keep failing: stop the loop, fail everything in flight, free every block, tell on_dead."""
+        self._error = error
+        logger.error("the engine stopped after %d failed steps in a row; the last error: %r", self._failed_steps,
+                     error)
+        self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(
+            "the engine stopped after repeated internal errors; retry once the server has restarted"))
+        try:
+            self.engine.abort_all()
+        except Exception:
+            logger.exception("freeing the requests of the stopped engine failed")
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _apply_commands(self) -> None:
         with self._cond:

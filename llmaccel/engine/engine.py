@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from llmaccel.bounds import check_token_ids
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
@@ -20,7 +21,7 @@ from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmaccel.quantization.checkpoint import load_prequantized
-from llmaccel.runner import ModelRunner
+from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class _Group:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     metrics: RequestMetrics
+    error: str | None = None  # set when the engine failed it
 
     @property
     def finished(self) -> bool:
@@ -126,7 +128,9 @@ class LLMEngine:
         self._sample_to_group: dict[str, _Group] = {}
         self._counter = 0
         self.num_steps = 0
+        self.num_failed_steps = 0
         self.last_step = StepStats(0, 0)
+        self.last_step_failed = False  # the last step's forward pass raised (its requests were failed)
         self.record_confidence = False  # the output guard wants each sample's mean top probability
 
     # ---- requests -------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.check_prompt(token_ids)
+        self.check_request(token_ids, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -172,9 +176,12 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit); shorten the prompt")
-        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        check_token_ids(token_ids, self.spec.vocab_size, "prompt", param="prompt")
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """check_prompt, and the sampling parameters that depend on the model (token ids)."""
+        self.check_prompt(token_ids)
+        check_token_ids(params.stop_token_ids, self.spec.vocab_size, "stop_token_ids", param="stop_token_ids")
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.
@@ -243,9 +250,15 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, emit_unfinished: bool = True) -> list[RequestOutput]:
         """Schedule, run the model, update. Returns an output for each request that changed
-        (only for those that finished when `emit_unfinished` is False, as the offline API needs)."""
+        (only for those that finished when `emit_unfinished` is False, as the offline API needs).
+
+        Faults are contained: a request whose sampling, stop check or detokenization raises ends
+        alone with finish reason "error" and the rest of the step goes on; a forward pass that
+        raises fails the requests of this step (no one request can be blamed) and
+        `last_step_failed` says so. Either way their blocks are freed and the engine carries on."""
         scheduled = self.scheduler.schedule()
         self.last_step = StepStats(len(scheduled.scheduled), scheduled.num_tokens)
+        self.last_step_failed = False
         if scheduled.is_empty:
             return []
         self.num_steps += 1
@@ -254,36 +267,75 @@ class LLMEngine:
             group = self._sample_to_group[item.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        results = self.runner.execute(scheduled, self.record_confidence)
-        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _, _) in results.items()})
+        try:
+            results = self.runner.execute(scheduled, self.record_confidence)
+        except Exception as exc:
+            self.last_step_failed = True
+            self.num_failed_steps += 1
+            logger.error("engine step %d failed; ending its %d request(s) (%s) with an error", self.num_steps,
+                         len(scheduled.scheduled), ", ".join(i.request.request_id for i in scheduled.scheduled),
+                         exc_info=exc)
+            groups = {self._sample_to_group[i.request.request_id].request_id: self._sample_to_group[
+                i.request.request_id] for i in scheduled.scheduled}
+            for group in groups.values():
+                self._fail_group(group, exc)
+            return [self._finish_group(group, time.time()) for group in groups.values()]
+        failed = dict(results.failed)
+        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _, _) in results.sampled.items()},
+                                         failed)
         now = time.time()
         changed: dict[str, _Group] = {}
         for request in advanced:
             group = self._sample_to_group[request.request_id]
-            sample = next(s for s in group.samples if s.request is request)
-            _, logprob, top = results[request.request_id]
-            if sample.logprobs is not None and logprob is not None:
-                sample.logprobs.append(logprob)
-            if top is not None:
-                request.confidence_sum += top
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            if self._detokenize(sample, request):
-                if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
-                    request.status = RequestStatus.FINISHED_STOPPED
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            try:
+                self._take_token(group, request, results.sampled[request.request_id], now)
+            except Exception as exc:
+                failed[request.request_id] = exc
+            changed[group.request_id] = group
+        for request_id, exc in failed.items():
+            group = self._sample_to_group[request_id]
+            if group.error is not None:  # a sibling's failure ended its group already
+                continue
+            logger.error("request %s failed in engine step %d; ending it with an error", request_id, self.num_steps,
+                         exc_info=exc)
+            self._fail_group(group, exc)
             changed[group.request_id] = group
         outputs = []
         for group in changed.values():
             if group.finished:
-                group.metrics.finished_time = now
-                for sample in group.samples:
-                    self._forget(sample)
-                del self._groups[group.request_id]
-            elif not emit_unfinished:
-                continue
-            outputs.append(self._make_output(group))
+                outputs.append(self._finish_group(group, now))
+            elif emit_unfinished:
+                outputs.append(self._make_output(group))
         return outputs
+
+    def _take_token(self, group: _Group, request: Request, sampled: Sampled, now: float) -> None:
+        """Record a sample's new token: logprobs, confidence, timing, text and stop strings."""
+        sample = next(s for s in group.samples if s.request is request)
+        _, logprob, top = sampled
+        if sample.logprobs is not None and logprob is not None:
+            sample.logprobs.append(logprob)
+        if top is not None:
+            request.confidence_sum += top
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        if self._detokenize(sample, request):
+            if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
+                request.status = RequestStatus.FINISHED_STOPPED
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def _fail_group(self, group: _Group, exc: BaseException) -> None:
+        """End every sample of a user request with finish reason "error" and free its blocks."""
+        group.error = f"{type(exc).__name__}: {exc}"
+        for sample in group.samples:
+            if not sample.request.is_finished:
+                self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_ERROR)
+
+    def _finish_group(self, group: _Group, now: float) -> RequestOutput:
+        group.metrics.finished_time = now
+        for sample in group.samples:
+            self._forget(sample)
+        del self._groups[group.request_id]
+        return self._make_output(group)
 
     def _detokenize(self, sample: _Sample, request: Request) -> bool:
         """Feed the new token to the detokenizer; True if a stop string ended the request."""
@@ -314,7 +366,7 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=group.finished, metrics=group.metrics,
-                             num_cached_tokens=group.samples[0].request.num_cached_tokens)
+                             num_cached_tokens=group.samples[0].request.num_cached_tokens, error=group.error)
 
     # ---- introspection ------------------------------------------------------------------------------
     @property

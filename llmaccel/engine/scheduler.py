@@ -107,24 +107,33 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               failed: dict[str, BaseException] | None = None) -> list[Request]:
         """Advance each scheduled request by its chunk and append its sampled token, if any.
 
         Returns the requests that received a token this step (finished ones included, already
-        removed from the running list and with their blocks freed).
+        removed from the running list and with their blocks freed). A request whose update raises
+        is left out and its error put in `failed` (when given; else the error propagates), so the
+        caller can end it alone.
         """
         advanced = []
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            self.kv_cache.release_outside_window(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            try:
+                request.num_computed_tokens += item.num_new_tokens
+                self.kv_cache.cache_computed_blocks(request)
+                self.kv_cache.release_outside_window(request)
+                token = sampled.get(request.request_id)
+                if token is None:
+                    continue
+                request.append_output_token(token)
+                if request.check_stop_token():
+                    self._remove(request)
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed[request.request_id] = exc
                 continue
-            request.append_output_token(token)
-            if request.check_stop_token():
-                self._remove(request)
             advanced.append(request)
         return advanced
 

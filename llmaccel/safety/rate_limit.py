@@ -1,4 +1,5 @@
-"""Per-client rate limits: a token bucket on requests and one on tokens, per API key.
+"""Per-client rate limits: a token bucket on requests and one on tokens, per client (an API key or an
+address: server/auth.py decides).
 
 Each bucket holds up to one minute's allowance and refills continuously. A request is admitted when
 its client's request bucket has a whole request and its token bucket is not in debt; its prompt
@@ -61,14 +62,19 @@ class RateLimiter:
 
     def admit(self, client: str) -> RateLimited | None:
         """Take one request from the client's allowance, or say which limit refuses it and for how long."""
+        refused = self.blocked(client)
+        if refused is None and "requests" in self._clients[client]:
+            self._clients[client]["requests"].level -= 1
+        return refused
+
+    def blocked(self, client: str) -> RateLimited | None:
+        """What admit would refuse now, without taking anything."""
         buckets = self._buckets(client)
         requests, tokens = buckets.get("requests"), buckets.get("tokens")
         if tokens is not None and tokens.level < 0:
             return RateLimited("tokens", tokens.wait_for(0))
-        if requests is not None:
-            if requests.level < 1:
-                return RateLimited("requests", requests.wait_for(1))
-            requests.level -= 1
+        if requests is not None and requests.level < 1:
+            return RateLimited("requests", requests.wait_for(1))
         return None
 
     def charge(self, client: str, num_tokens: int) -> None:

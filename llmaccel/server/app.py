@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,8 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,17 +33,20 @@ from llmaccel.errors import (
     EngineDeadError,
     EngineOverloadedError,
     PromptTooLongError,
+    RequestFailedError,
     RequestTimeoutError,
 )
 from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.output_guard import GuardConfig, OutputGuard, worst_verdict
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
+from llmaccel.server import openapi
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import AnswerChecks
+from llmaccel.server.auth import Gate, parse_networks
 from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
-from llmaccel.server.middleware import CountRequests, LimitBody
+from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.serving import OpenAIServing, error_info
 
@@ -60,23 +63,34 @@ class ServerState:
     load_error: BaseException | None = None
     created: int = 0
     rate_limiter: RateLimiter | None = None
+    gate: Gate | None = None
+    engine_died: bool = False  # the engine stopped after failing steps: the process should exit non-zero
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], model_name: str,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails.
-    Bad safety rules raise ValueError here, before anything loads."""
+    """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails
+    to load, or when the engine stops for good after steps kept failing (then `engine_died` is set, so
+    the process exits non-zero and a supervisor restarts it). Bad safety rules or proxy addresses
+    raise ValueError here, before anything loads."""
     input_filter = InputFilter(load_rules(list(config.safety_rules))) if config.safety_rules else None
     output_filter = InputFilter(load_rules(list(config.output_rules))) if config.output_rules else None
     guard_config = GuardConfig(config.guard_sample_rate, config.guard_confidence, config.guard_kl, config.guard_retries)
     limiter = RateLimiter(config.rate_limit_requests, config.rate_limit_tokens)
+    gate = Gate(config.api_keys, parse_networks(config.trusted_proxies), config.auth_failures_per_minute)
     state = ServerState(config, ServerMetrics(), config.served_model_names or (model_name,), created=int(time.time()),
-                        rate_limiter=limiter if limiter.enabled else None)
+                        rate_limiter=limiter if limiter.enabled else None, gate=gate)
+
+    def engine_died(error: BaseException) -> None:  # in the engine thread
+        state.engine_died = True
+        if on_fatal is not None:
+            on_fatal()
 
     async def load() -> None:
         async_engine = AsyncEngine(engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000,
                                    step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
-                                   on_step=state.metrics.observe_step, background=_quality_watch(config, state))
+                                   on_step=state.metrics.observe_step, background=_quality_watch(config, state),
+                                   max_failed_steps=config.max_failed_steps, on_dead=engine_died)
         try:
             await async_engine.start()
         except Exception as exc:
@@ -124,11 +138,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         if state.serving is not None and state.serving.result_cache is not None:
             state.serving.result_cache.close()
 
-    app = FastAPI(title="llmaccel", version=llmaccel.__version__, lifespan=lifespan)
+    app = FastAPI(title="llmaccel", version=llmaccel.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, description="An OpenAI-compatible server. Errors are OpenAI's JSON.")
     app.state.server = state
     _install_error_handlers(app, state)
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes, metrics=state.metrics)
-    app.add_middleware(CountRequests, metrics=state.metrics)  # outermost: counts the 413s as well
+    app.add_middleware(CatchErrors)  # request ids; a bug is a 500 naming one, and the connection lives on
+    app.add_middleware(CountRequests, metrics=state.metrics)  # outermost: counts the 413s and 500s as well
 
     def serving() -> OpenAIServing:
         if state.draining:
@@ -141,11 +157,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         return state.serving
 
     def check_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        if not hmac.compare_digest(_bearer_token(request).encode(), config.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", code="invalid_api_key", rejected="unauthorized")
+        gate.check(request)
 
     def model_for(requested: str | None) -> str:
         if requested is None:
@@ -156,25 +168,33 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                            rejected="invalid_request")
         return requested
 
-    api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    keyed = [Depends(check_api_key)]
+    api = APIRouter(prefix="/v1", dependencies=keyed)
+    auth_errors = (401, 429) if gate.needs_key else ()
+    answer_errors = openapi.errors(400, *auth_errors, 413, 429, 500, 503, 504)
+    open_unless_protected = keyed if config.protect_metrics else []
+    meta_errors = openapi.errors(*auth_errors) if config.protect_metrics else {}
 
-    @api.get("/models")
+    @api.get("/models", responses=openapi.errors(*auth_errors))
     async def list_models() -> p.ModelList:
         limit = state.engine.engine.max_model_len if state.engine is not None else 0
         return p.ModelList(data=[p.ModelCard(id=name, created=state.created, max_model_len=limit)
                                  for name in state.model_names])
 
-    @api.post("/chat/completions")
+    @api.post("/chat/completions", response_model=p.ChatCompletionResponse,
+              responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await _answer(serving(), body, model_for(body.model), request, state)
 
-    @api.post("/completions")
+    @api.post("/completions", response_model=p.CompletionResponse,
+              responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         return await _answer(serving(), body, model_for(body.model), request, state)
 
     app.include_router(api)
 
-    @app.get("/health")
+    @app.get("/health", response_model=p.HealthStatus,
+             responses={503: {"model": p.HealthStatus, "description": "Starting, failed to load, draining or dead."}})
     async def health() -> Response:
         if state.engine is not None and state.engine.is_alive and not state.draining:
             return JSONResponse({"status": "ok"})
@@ -182,39 +202,35 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                   "starting" if state.engine is None else "dead")
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/version")
-    async def version() -> dict:
+    @app.get("/version", dependencies=open_unless_protected, responses=meta_errors)
+    async def version() -> p.VersionInfo:
         import torch
 
-        return {"version": llmaccel.__version__, "torch": torch.__version__}
+        return p.VersionInfo(version=llmaccel.__version__, torch=torch.__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=open_unless_protected, response_class=Response,
+             responses={200: {"content": openapi.TEXT, "description": "Prometheus text format."}, **meta_errors})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", dependencies=open_unless_protected, include_in_schema=False)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(openapi.openapi_schema(app, state.model_names))
+
+    @app.get("/docs", dependencies=open_unless_protected, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="llmaccel API")
+
+    app.openapi = lambda: openapi.openapi_schema(app, state.model_names)
     return app
-
-
-def _bearer_token(request: Request) -> str:
-    """The key of 'Authorization: Bearer <key>', or "" without one."""
-    header = request.headers.get("authorization", "")
-    return header[7:] if header[:7].lower() == "bearer " else ""
-
-
-def _client_id(request: Request) -> str:
-    """Whom a rate limit counts against: the API key sent, else the client's address."""
-    token = _bearer_token(request)
-    if token:
-        return "key:" + token
-    return "address:" + (request.client.host if request.client else "unknown")
 
 
 async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
                   request: Request, state: ServerState) -> Response:
-    limiter, client = state.rate_limiter, _client_id(request)
+    limiter, client = state.rate_limiter, state.gate.client_id(request)
     if limiter is not None and (limited := limiter.admit(client)) is not None:
         state.metrics.rate_limited.labels(limit=limited.limit).inc()
-        raise APIError(429, f"rate limit reached: this API key may send {_limit_text(state.config, limited.limit)} "
+        raise APIError(429, f"rate limit reached: this client may send {_limit_text(state.config, limited.limit)} "
                        f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
                        rejected="rate_limited")
@@ -233,7 +249,7 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded",
                        rejected="invalid_request") from None
     except ValueError as exc:
-        raise APIError(400, str(exc), rejected="invalid_request") from None
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), rejected="invalid_request") from None
     if limiter is not None:
         limiter.charge(client, sum(job.prompt_lengths))
         job.on_done = lambda completion_tokens: limiter.charge(client, completion_tokens)
@@ -252,10 +268,10 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         return Response(status_code=499)
     try:
         response = task.result()
-    except (RequestTimeoutError, EngineDeadError) as exc:
+    except (RequestTimeoutError, EngineDeadError, RequestFailedError) as exc:
         info = error_info(exc)
-        raise APIError(504 if isinstance(exc, RequestTimeoutError) else 503, info.message, info.type,
-                       code=info.code) from None
+        status = 504 if isinstance(exc, RequestTimeoutError) else 500 if isinstance(exc, RequestFailedError) else 503
+        raise APIError(status, info.message, info.type, code=info.code) from None
     body, headers = response.model_dump(), dict(cache_header)
     if job.guard_reports:  # the output guard's verdicts: a header for the worst, each choice's in the body
         headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
@@ -301,11 +317,6 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                         code=code, headers=getattr(exc, "headers", None)).response()
-
-    @app.exception_handler(Exception)
-    async def bug(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {exc!r}", "internal_error").response()
 
 
 def _quality_watch(config: ServerConfig, state: ServerState) -> BackgroundTask | None:

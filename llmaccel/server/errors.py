@@ -7,7 +7,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from llmaccel.bounds import RANGES
 from llmaccel.server.protocol import ErrorInfo, ErrorResponse
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
 class APIError(Exception):
@@ -42,10 +45,18 @@ def validation_error_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, 
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "this field is required"
+    elif first.get("type") in _RANGE_ERRORS and field in RANGES:  # the range as the table states it
+        message = f"must be {RANGES[field].at_api().text}"
+    elif first.get("type") == "finite_number":
+        message = "must be a finite number"
     elif first.get("type") == "model_attributes_type" and not field:
         return "the request body must be a JSON object", None
     if "input" in first and first.get("type") != "missing" and not isinstance(first["input"], dict | list):
-        message += f" (got {first['input']!r})"
+        message += f" (got {_clip(repr(first['input']))})"
     extra = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     param = loc[0] if loc else None
     return (f"{field}: {message}{extra}" if field else f"{message}{extra}"), param
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -16,6 +16,7 @@ import uvicorn
 from llmaccel.config import EngineConfig, ServerConfig, parse_memory_size
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.model.loader import resolve_model_path
+from llmaccel.server.auth import read_key_file
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="name clients use in the 'model' field (repeatable; default: the --model value)")
-    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (or set ${API_KEY_ENV}; "
-                                          "default: no key)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; or set "
+                             f"${API_KEY_ENV}; default: no key). Rate limits then count per key")
+    parser.add_argument("--api-key-file", metavar="F",
+                        help="accept every key in this file too, one per line ('#' starts a comment)")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="with keys: /metrics, /docs, /openapi.json and /version need a key as well "
+                             "(/health always stays open)")
+    parser.add_argument("--auth-failures-per-minute", type=int, default=10, metavar="N",
+                        help="failed authentications allowed per client address per minute; after that every "
+                             "attempt from it gets HTTP 429 until the allowance refills")
+    parser.add_argument("--trusted-proxies", action="append", default=[], metavar="ADDR",
+                        help="a reverse proxy's address or network (repeatable, e.g. 10.0.0.0/8): requests from it "
+                             "are attributed to the client named in X-Forwarded-For (for rate limits and failed "
+                             "authentications); without this flag X-Forwarded-For is ignored")
+    parser.add_argument("--max-failed-steps", type=int, default=3, metavar="N",
+                        help="an engine step that fails ends its requests with HTTP 500 and the engine goes on; after "
+                             "N failed steps in a row the server exits with status 1, for a supervisor to restart")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences allowed to wait for the engine; more get HTTP 429 with Retry-After")
     parser.add_argument("--request-timeout", type=float, default=600.0,
@@ -60,12 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-input-filter", action="store_true", help="check prompts against no safety rules")
     parser.add_argument("--max-body-size", default="4MiB", help="larger request bodies get HTTP 413")
     parser.add_argument("--max-prompt-chars", type=int, default=65536,
-                        help="prompts longer than this (all messages together) get HTTP 400; 0: no limit")
+                        help="prompts longer than this many characters (all messages together) get HTTP 400; "
+                             "0: no limit")
     parser.add_argument("--rate-limit-requests", type=int, metavar="N",
-                        help="requests per minute allowed to each API key (or client address without a key); "
-                             "more get HTTP 429 with Retry-After; none: no limit")
+                        help="requests per minute allowed to each API key (to each client address when no key is "
+                             "set); more get HTTP 429 with Retry-After; none: no limit")
     parser.add_argument("--rate-limit-tokens", type=int, metavar="N",
-                        help="prompt + completion tokens per minute allowed to each API key; none: no limit")
+                        help="prompt + completion tokens per minute allowed to each API key (or client address); "
+                             "none: no limit")
     parser.add_argument("--output-rules", action="append", metavar="F",
                         help="output-filter rules, YAML or JSON (repeatable; 'default-output' names the shipped set "
                              "that redacts secrets and card numbers): `redact` rules rewrite generated text, a "
@@ -84,9 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key flags, the key file and $LLMACCEL_API_KEY, in that order, without repeats."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        keys += read_key_file(args.api_key_file)
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    return tuple(dict.fromkeys(keys))
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name),
-                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        api_keys=api_keys(args), protect_metrics=args.protect_metrics,
+                        auth_failures_per_minute=args.auth_failures_per_minute,
+                        trusted_proxies=tuple(args.trusted_proxies), max_failed_steps=args.max_failed_steps,
                         max_waiting_requests=args.max_waiting_requests,
                         request_timeout=args.request_timeout or None, max_batch_delay_ms=args.max_batch_delay_ms,
                         step_warn_s=args.step_warn_s, graceful_shutdown_s=args.graceful_shutdown_s,
@@ -141,10 +172,14 @@ def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
                                access_log=access_log, timeout_graceful_shutdown=config.graceful_shutdown_s,
-                               timeout_keep_alive=5)
+                               timeout_keep_alive=5, proxy_headers=False)  # X-Forwarded-For: --trusted-proxies
     server = _DrainingServer(uv_config, drain)
     server.run()
     if state.load_error is not None:
         raise ValueError(f"could not load {model!r}: {state.load_error}") if isinstance(
             state.load_error, ValueError) else state.load_error
+    if state.engine_died:
+        logger.error("exiting with status 1: the engine stopped after %d failed steps in a row",
+                     config.max_failed_steps)
+        return 1
     return 0

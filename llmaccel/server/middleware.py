@@ -1,15 +1,56 @@
-"""ASGI middleware of the server: the request-body limit and the request counter.
+"""ASGI middleware of the server: request ids and the last line against bugs, the request-body limit
+and the request counter.
 
-Both are plain ASGI (not Starlette's BaseHTTPMiddleware), so streaming responses pass through
+All are plain ASGI (not Starlette's BaseHTTPMiddleware), so streaming responses pass through
 untouched and a client's disconnect still reaches the app.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from llmaccel.server.errors import APIError
 from llmaccel.server.metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
+
 COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics"}
+
+
+class CatchErrors:
+    """Gives every HTTP request an id (`x-request-id` on the response, `request_id` in the ASGI scope's
+    state) and turns an exception no handler took into a 500 that says "internal error" and that id,
+    with the traceback logged once under the same id. The exception is not raised further, so the
+    server keeps the client's keep-alive connection (Starlette's own last handler re-raises, and
+    uvicorn then drops the connection)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req-" + uuid.uuid4().hex[:24]
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("internal error in %s %r (request %s)", scope["method"], scope["path"][:200], request_id)
+            if not started:
+                error = APIError(500, f"internal error (request {request_id}); the server log has the details",
+                                 "internal_error", code="internal_error")
+                await error.response()(scope, receive, send_with_id)
 
 
 class LimitBody:

@@ -1,48 +1,60 @@
 """OpenAI API request and response models (pydantic).
 
-Requests are validated strictly ("5" is not an integer, 3 is not a temperature) so that a bad field
-gets a 400 that names it. Unknown fields are ignored with a warning, as vLLM does, because client
-libraries send fields of newer API versions. Fields whose meaning llmaccel cannot honour
-(tools, logit_bias, echo, ...) are rejected rather than silently ignored.
+Requests are validated strictly ("5" is not an integer, 3 is not a temperature, NaN is not a
+number) so that a bad field gets a 400 that names it. Every number's range comes from the one table
+in llmaccel/bounds.py, which SamplingParams checks too. Unknown fields are ignored with a warning,
+as vLLM does, because client libraries send fields of newer API versions. Fields whose meaning
+llmaccel cannot honour (tools, logit_bias, echo, ...) are rejected rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+
+from llmaccel.bounds import RANGES, SEED_MEANING
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+R = RANGES
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                            _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
+                  "description": f"{_PROMPT_SHAPES[0].upper()}{_PROMPT_SHAPES[1:]}; token ids lie in [0, vocab)."}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = _STRICT
 
     model: str | None = None  # None: the served model
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=128)
+    temperature: float = R["temperature"].field(1.0)
+    top_p: float = R["top_p"].field(1.0)
+    n: int = R["n"].field(1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, description=SEED_MEANING)
+    presence_penalty: float = R["presence_penalty"].field(0.0)
+    frequency_penalty: float = R["frequency_penalty"].field(0.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras (the openai client sends them through extra_body)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    top_k: int = R["top_k"].field(0)
+    min_p: float = R["min_p"].field(0.0)
+    repetition_penalty: float = R["repetition_penalty"].field(1.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = R["min_tokens"].field(0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids in [0, vocab).")
     skip_special_tokens: bool = True
     # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
     result_cache: bool = True
@@ -73,15 +85,23 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]]  # required, and not null: this server takes no tool calls
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("content") is None:
+            raise ValueError("content is required and must not be null: give a string or a list of "
+                             "{'type': 'text', 'text': ...} parts")
+        return data
 
     def text(self) -> str:
         """The message as plain text; only text content parts are understood."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+        if isinstance(self.content, str):
+            return self.content
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -93,10 +113,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = R["max_tokens"].field(None)
+    max_completion_tokens: int | None = R["max_completion_tokens"].field(None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = R["top_logprobs"].field(None)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -131,9 +151,9 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: int | None = R["max_tokens"].field(16)
+    logprobs: int | None = R["logprobs"].field(None)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -281,6 +301,15 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "starting", "failed", "draining", "dead"]
+
+
+class VersionInfo(BaseModel):
+    version: str
+    torch: str
 
 
 class ErrorInfo(BaseModel):

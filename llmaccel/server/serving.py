@@ -14,12 +14,20 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import jinja2
 from pydantic import BaseModel
 
+from llmaccel.bounds import check_token_ids
 from llmaccel.cache.result_cache import ResultCache, cache_key, is_cacheable
 from llmaccel.engine.async_engine import AsyncEngine, RequestStream
 from llmaccel.engine.detokenizer import token_bytes_function
-from llmaccel.errors import EngineDeadError, PromptTooLongError, RequestTimeoutError
+from llmaccel.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
 from llmaccel.safety.output_filter import OutputTextFilter
 from llmaccel.safety.output_guard import GuardReport
@@ -59,7 +67,11 @@ class OpenAIServing:
                 raise ValueError("this model has no chat template; use /v1/completions")
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in request.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except jinja2.TemplateError as exc:  # the template's own raise_exception: a client's conversation
+                raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
+                                          param="messages") from None
             return [self.tokenizer.encode(text, add_special_tokens=False)]
         return [self.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else x
                 for x in request.prompt]
@@ -83,7 +95,12 @@ class OpenAIServing:
     def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
         if request.unknown_fields:
-            logger.warning("ignoring unknown request field(s): %s", ", ".join(request.unknown_fields))
+            logger.warning("ignoring unknown request field(s): %s", quoted(request.unknown_fields))
+        if isinstance(request, p.CompletionRequest):  # token ids are checked before anything decodes them
+            vocab = self.engine.engine.spec.vocab_size
+            for i, prompt in enumerate(request.prompt):
+                if isinstance(prompt, list):
+                    check_token_ids(prompt, vocab, "prompt" if len(request.prompt) == 1 else f"prompt[{i}]", "prompt")
         if self.prompt_checks is not None:
             request = self.prompt_checks.apply(request)
         prompts = self.prompts(request)
@@ -209,7 +226,7 @@ class OpenAIServing:
                         yield _sse(self._chunk(job, choices), **usage_field, **({"guard": reports} if reports else {}))
                     if len(ended) == n * len(job.streams):
                         break  # every choice ended (the output filter may stop one before the engine does)
-        except (RequestTimeoutError, EngineDeadError) as exc:
+        except (RequestTimeoutError, EngineDeadError, RequestFailedError) as exc:
             yield _sse(p.ErrorResponse(error=error_info(exc)))
             yield "data: [DONE]\n\n"
             return
@@ -285,7 +302,17 @@ class OpenAIServing:
 def error_info(exc: BaseException) -> p.ErrorInfo:
     if isinstance(exc, RequestTimeoutError):
         return p.ErrorInfo(message=str(exc), type="timeout_error", code="request_timeout")
+    if isinstance(exc, RequestFailedError):  # the reason stays in the log, under the same request id
+        return p.ErrorInfo(message=f"{exc}; the server log has the details under this id", type="internal_error",
+                           code="internal_error")
     return p.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
+
+
+def quoted(names: list[str], limit: int = 10, length: int = 40) -> str:
+    """Client-supplied names for a log line: escaped (a newline cannot forge a line), clipped, counted."""
+    shown = [repr(name[:length] + ("..." if len(name) > length else "")) for name in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
 
 
 def _record(job: Job, i: int, report: GuardReport | None) -> GuardReport | None:

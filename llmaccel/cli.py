@@ -124,6 +124,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "add_arguments", "run"),
     ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "
      "jailbreak and ordinary prompt sets", "add_arguments", "run"),
+    ("soak", "soak", "identical passes of streamed traffic with disconnects, client timeouts and identical "
+     "requests: lost requests, gauges after each pass, RSS per pass (does it level off?)", "add_arguments", "run"),
     ("guard", "guard", "the output guard per served variant on the built-in prompts: abnormal-output ratio, "
      "resample success rate, KL percentiles", "add_arguments", "run"),
     ("report-offline", "report", "markdown table and a PNG bar chart from offline result files", "add_arguments",

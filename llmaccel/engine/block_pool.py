@@ -27,6 +27,8 @@ class BlockPool:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # prefix hash -> block holding it
         self.num_evictions = 0
+        self.num_touched = 0  # blocks ever handed out: the KV pool's memory that has been written (RSS)
+        self._touched = bytearray(num_blocks)
         # OrderedDict as an O(1) doubly linked list: head = next to be handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
@@ -47,6 +49,9 @@ class BlockPool:
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
             self._evict(block_id)
+            if not self._touched[block_id]:
+                self._touched[block_id] = 1
+                self.num_touched += 1
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks

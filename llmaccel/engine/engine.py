@@ -384,6 +384,14 @@ class LLMEngine:
         return self.kv_cache.usage
 
     @property
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds: weights, the KV pool reserved, and the part of it ever written (the
+        pool is mapped lazily, so only that part is resident)."""
+        per_block = self.config.cache.block_size * self.spec.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        return {"weights": tensor_bytes(self.runner.model), "kv_pool": self.num_blocks * per_block,
+                "kv_pool_touched": self.kv_cache.pool.num_touched * per_block}
+
+    @property
     def num_running_seqs(self) -> int:
         return len(self.scheduler.running)
 
@@ -394,3 +402,22 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every tensor a module holds (parameters, buffers and plain tensor attributes such as
+    packed weights), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for sub in module.modules():
+        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False),
+                   *(v for v in vars(sub).values() if isinstance(v, torch.Tensor))]
+        for tensor in tensors:
+            try:
+                key = tensor.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # opaque (e.g. oneDNN-packed) tensors
+                key = id(tensor)
+            if key not in seen:
+                seen.add(key)
+                total += tensor.numel() * tensor.element_size()
+    return total

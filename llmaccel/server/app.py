@@ -102,7 +102,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         engine = async_engine.engine
         engine.record_confidence = guard_config.confidence is not None  # set before the first request arrives
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
-                                  lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats)
+                                  lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats,
+                                  lambda: engine.memory_bytes)
         result_cache = _result_cache(config)
         if result_cache is not None:
             state.metrics.bind_result_cache(result_cache)

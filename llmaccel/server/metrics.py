@@ -110,12 +110,15 @@ class ServerMetrics:
         self._preemptions_seen = 0
 
     def bind_engine(self, running: Callable[[], float], waiting: Callable[[], float],
-                    kv_usage: Callable[[], float], prefix_cache: Callable[[], PrefixCacheStats]) -> None:
-        """Read the engine gauges, and the prefix cache's counters, at scrape time."""
+                    kv_usage: Callable[[], float], prefix_cache: Callable[[], PrefixCacheStats],
+                    memory: Callable[[], dict[str, int]] | None = None) -> None:
+        """Read the engine gauges, the prefix cache's counters and the engine's memory at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
         self.kv_cache_usage.set_function(kv_usage)
         self.registry.register(_PrefixCacheCollector(prefix_cache))
+        if memory is not None:
+            self.registry.register(_MemoryCollector(memory))
 
     def bind_result_cache(self, cache) -> None:
         """Export the result cache's counters and size, read at scrape time."""
@@ -218,6 +221,21 @@ class _PrefixCacheCollector:
                                   value=stats.queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "KV reused, not computed).", value=stats.hits)
+
+
+class _MemoryCollector:
+    """The engine's memory by part: weights, the KV pool reserved, and the part of the pool ever written."""
+
+    def __init__(self, memory: Callable[[], dict[str, int]]) -> None:
+        self.memory = memory
+
+    def collect(self):
+        family = GaugeMetricFamily(PREFIX + "memory_bytes", "Engine memory by part: weights, kv_pool (reserved; "
+                                   "mapped lazily), kv_pool_touched (the part ever written, so resident).",
+                                   labels=["part"])
+        for part, value in self.memory().items():
+            family.add_metric([part], value)
+        yield family
 
 
 class _ResultCacheCollector:

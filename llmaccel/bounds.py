@@ -4,7 +4,7 @@
 constraints (and so the OpenAPI document its minimum and maximum) from them, and the server's 400
 names the same range. A range may be narrower at the HTTP edge than in the Python API: OpenAI caps
 temperature at 2 and n at 128, while the output guard's retries sample hotter than that and an
-offline batch may ask for more samples.
+offline batch may ask for up to 1,024 samples of a prompt.
 
 Values that a range cannot express are normalized, not refused, as OpenAI and vLLM do: any integer
 is a seed (reduced to the 64 bits a generator takes) and a `top_k` at or above the vocabulary means
@@ -76,7 +76,7 @@ class Range:
 
 # Every number of a completion or chat request. The server's models and SamplingParams read this table.
 RANGES: dict[str, Range] = {
-    "n": Range(int, 1, None, api_high=128, meaning="Choices to generate for each prompt."),
+    "n": Range(int, 1, 1024, api_high=128, meaning="Choices to generate for each prompt."),
     "temperature": Range(float, 0, None, api_high=2, meaning="0 is greedy."),
     "top_p": Range(float, 0, 1, low_open=True),
     "top_k": Range(int, -1, None, meaning="0 or -1: no limit; at or above the vocabulary size: no limit."),

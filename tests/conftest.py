@@ -19,3 +19,12 @@ def tiny_model_dirs(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama-gqa"]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    from tests.summary import LINES
+
+    if LINES:
+        terminalreporter.section("llmaccel figures")
+        for line in LINES:
+            terminalreporter.write_line(line)

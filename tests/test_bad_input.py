@@ -83,7 +83,7 @@ def test_abort_frees_blocks_and_others_finish(llm):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature must be >= 0"),
     (dict(top_p=0), "top_p must be in"),
-    (dict(n=0), "n must be >= 1"),
+    (dict(n=0), r"n must be in \[1, 1024\]"),
     (dict(max_tokens=0), "max_tokens must be >= 1"),
 ])
 def test_invalid_sampling_values(kwargs, message):

@@ -13,6 +13,7 @@ import pytest
 from llmaccel.bench.compare import free_port
 from llmaccel.config import ServerConfig
 from llmaccel.engine.engine import LLMEngine
+from llmaccel.engine.request_group import Sample
 from llmaccel.llm import LLM
 from llmaccel.runner import ModelRunner
 from llmaccel.sampler import Sampler
@@ -91,16 +92,14 @@ def test_a_fault_in_one_sample_ends_its_whole_request(llm, monkeypatch):
 
 
 def test_a_detokenizer_fault_ends_only_its_request(llm, monkeypatch):
-    from llmaccel.engine import engine as engine_module
+    real = Sample.detokenize
 
-    real = engine_module.LLMEngine._detokenize
-
-    def detokenize(self, sample, request):
-        if request.prompt_token_ids == POISON and request.num_output_tokens == 3:
+    def detokenize(self):
+        if self.request.prompt_token_ids == POISON and self.request.num_output_tokens == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real(self, sample, request)
+        return real(self)
 
-    monkeypatch.setattr(engine_module.LLMEngine, "_detokenize", detokenize)
+    monkeypatch.setattr(Sample, "detokenize", detokenize)
     clean = llm.generate(PROMPTS[0], PARAMS[0])
     good, bad = llm.generate([PROMPTS[0], POISON], PARAMS[0])
     assert good.outputs[0].token_ids == clean[0].outputs[0].token_ids

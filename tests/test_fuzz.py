@@ -24,6 +24,7 @@ from llmaccel.engine.engine import LLMEngine
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
 from tests.live_server import live_server
+from tests.summary import report
 
 FUZZ_SECONDS = float(os.environ.get("LLMACCEL_FUZZ_SECONDS", 90))
 ROUND = 25  # examples per hypothesis run; the time budget is checked between runs
@@ -81,8 +82,10 @@ def test_fuzz_the_live_server_from_its_openapi_document(llama_dir):
                 hypothesis_seed(seed + rounds)(fuzz)()
                 rounds += 1
         finally:
-            print(f"fuzz: {sum(statuses.values())} requests in {rounds} rounds, by status "
-                  f"{dict(sorted(statuses.items()))}; by operation {dict(sorted(by_operation.items()))}")
+            print(f"by operation and status: {dict(sorted(by_operation.items()))}")
+            report(f"API fuzz (seed {seed}; replay with LLMACCEL_FUZZ_SEED={seed}): {sum(statuses.values())} "
+                   f"requests in {FUZZ_SECONDS:.0f} s, {sum(n for s, n in statuses.items() if s >= 500)} "
+                   f"answered >= 500; by status {dict(sorted(statuses.items()))}")
         assert sum(statuses.values()) >= 200
         for path in ("/v1/chat/completions", "/v1/completions"):  # it got past validation often enough
             assert by_operation[f"POST {path} 200"] >= 20
@@ -90,6 +93,7 @@ def test_fuzz_the_live_server_from_its_openapi_document(llama_dir):
         normal = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 3
         server.wait_idle(120)  # every request ended and every KV block is free again
+        report("API fuzz: after it /health is ok, a normal request is answered and every KV block is free")
 
 
 # Every SamplingParams field: legal values out to their extremes, and values that must be refused (out of
@@ -141,7 +145,9 @@ def test_sampling_params_and_the_engine_take_extreme_values(fuzz_llm):
     vocab = engine.spec.vocab_size
     outcomes: Counter[str] = Counter()
 
-    @hypothesis_seed(fuzz_seed())
+    seed = fuzz_seed()
+
+    @hypothesis_seed(seed)
     @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(fields=sampling_fields(), prompt=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12),
            bad_token=st.one_of(st.none(), st.sampled_from([-1, vocab, 2**63])))
@@ -174,5 +180,6 @@ def test_sampling_params_and_the_engine_take_extreme_values(fuzz_llm):
         assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.num_blocks
 
     drive()
-    print(f"SamplingParams fuzz: {dict(outcomes)}")
+    report(f"SamplingParams/engine fuzz (seed {seed}): {sum(outcomes.values())} examples, {dict(outcomes)}, "
+           "0 engine errors, 0 blocks leaked")
     assert outcomes["generated"] >= 10 and outcomes["refused by SamplingParams"] >= 10

@@ -101,3 +101,24 @@ def test_default_model_served_over_http(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_result_cache_hits_survive_kill_9(llama_dir, tmp_path):
+    """SQLite in WAL mode commits each result as it is stored: a server killed without warning loses none."""
+    path, body = tmp_path / "results.db", {"prompt": "A paged KV cache", "max_tokens": 6, "temperature": 0}
+    args = ["--model", str(llama_dir), "--num-kv-blocks", "64", "--result-cache-path", str(path)]
+    proc, url = start_server(args, tmp_path / "first.log")
+    try:
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.headers["x-llmaccel-cache"] == "miss"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    proc, url = start_server(args, tmp_path / "second.log")
+    try:
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert again.headers["x-llmaccel-cache"] == "hit"
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -16,6 +16,12 @@ before its first step (until `max_num_seqs` are waiting or the delay passes), as
 does. A watchdog thread logs any step that runs longer than `step_warn_s`. A BackgroundTask (the
 quality watch) runs in the engine thread between steps, at low priority: when due and the engine is
 idle, or one interval late at most if it never idles.
+
+Faults: the engine ends a request it fails on (finish reason "error") and its stream raises
+RequestFailedError; the loop goes on. A pass of the loop that raises, or a step whose forward pass
+failed, is logged and the loop goes on too; only after `max_failed_steps` such failures in a row does
+the loop stop for good: every stream in flight gets EngineDeadError, every block is freed, and
+`on_dead` is called so the server can exit for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmaccel.engine.engine import LLMEngine, StepStats
-from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
+from llmaccel.engine.request_stream import RequestStream
+from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from llmaccel.outputs import RequestOutput
 from llmaccel.sampling_params import SamplingParams
 
@@ -66,50 +73,6 @@ class _Abort:
 class _Call:
     fn: Callable[[LLMEngine], object]
     future: asyncio.Future
-
-
-async def next_before_deadline(queue: asyncio.Queue, deadline: float | None, request_id: str):
-    """The next item of a request's output queue, or RequestTimeoutError once `deadline` (event-loop
-    time; None: never) has passed."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await queue.get()
-    except TimeoutError:
-        raise RequestTimeoutError(f"request {request_id} passed its deadline and was aborted; "
-                                  "raise --request-timeout or ask for fewer tokens") from None
-
-
-class RequestStream:
-    """Outputs of one request, in order; iterate with `async for`. Closing it early aborts."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._deadline = deadline  # in event-loop time
-        self.finished = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await next_before_deadline(self._queue, self._deadline, self.request_id)
-                if isinstance(item, BaseException):
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Abort the request unless it finished; safe to call more than once."""
-        if self._engine._streams.pop(self.request_id, None) is not None and not self.finished:
-            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:

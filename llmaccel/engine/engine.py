@@ -13,13 +13,14 @@ from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from llmaccel.engine.request import Request, RequestStatus
+from llmaccel.engine.request_group import RequestGroup, Sample
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
-from llmaccel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.quantization.checkpoint import load_prequantized
 from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
@@ -33,31 +34,6 @@ class StepStats:
 
     num_seqs: int
     num_tokens: int
-
-
-@dataclass
-class _Sample:
-    """Engine-side state of one of a request's n samples."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[Logprob] | None
-
-
-@dataclass
-class _Group:
-    """A user request: its n samples share a prompt and one output."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    error: str | None = None  # set when the engine failed it
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
 
 
 class LLMEngine:
@@ -124,8 +100,8 @@ class LLMEngine:
                     "attention: %s", num_blocks, block_size, num_blocks * block_size,
                     num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,
                     "C++ paged kernel" if model.attention.uses_kernel else "torch reference")
-        self._groups: dict[str, _Group] = {}
-        self._sample_to_group: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._sample_to_group: dict[str, RequestGroup] = {}
         self._counter = 0
         self.num_steps = 0
         self.num_failed_steps = 0
@@ -160,8 +136,8 @@ class LLMEngine:
             sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
-            samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
-        group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival_time=arrival))
+            samples.append(Sample(request, detok, [] if params.logprobs is not None else None))
+        group = RequestGroup(request_id, text, token_ids, samples, RequestMetrics(arrival_time=arrival))
         self._groups[request_id] = group
         for sample in samples:
             self._sample_to_group[sample.request.request_id] = group
@@ -284,7 +260,7 @@ class LLMEngine:
         advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _, _) in results.sampled.items()},
                                          failed)
         now = time.time()
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestGroup] = {}
         for request in advanced:
             group = self._sample_to_group[request.request_id]
             try:
@@ -305,12 +281,12 @@ class LLMEngine:
             if group.finished:
                 outputs.append(self._finish_group(group, now))
             elif emit_unfinished:
-                outputs.append(self._make_output(group))
+                outputs.append(group.output(self.record_confidence))
         return outputs
 
-    def _take_token(self, group: _Group, request: Request, sampled: Sampled, now: float) -> None:
+    def _take_token(self, group: RequestGroup, request: Request, sampled: Sampled, now: float) -> None:
         """Record a sample's new token: logprobs, confidence, timing, text and stop strings."""
-        sample = next(s for s in group.samples if s.request is request)
+        sample = group.sample_of(request)
         _, logprob, top = sampled
         if sample.logprobs is not None and logprob is not None:
             sample.logprobs.append(logprob)
@@ -318,55 +294,28 @@ class LLMEngine:
             request.confidence_sum += top
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
-        if self._detokenize(sample, request):
+        if sample.detokenize():
             if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
                 request.status = RequestStatus.FINISHED_STOPPED
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
-    def _fail_group(self, group: _Group, exc: BaseException) -> None:
+    def _fail_group(self, group: RequestGroup, exc: BaseException) -> None:
         """End every sample of a user request with finish reason "error" and free its blocks."""
         group.error = f"{type(exc).__name__}: {exc}"
         for sample in group.samples:
             if not sample.request.is_finished:
                 self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_ERROR)
 
-    def _finish_group(self, group: _Group, now: float) -> RequestOutput:
+    def _finish_group(self, group: RequestGroup, now: float) -> RequestOutput:
         group.metrics.finished_time = now
         for sample in group.samples:
             self._forget(sample)
         del self._groups[group.request_id]
-        return self._make_output(group)
+        return group.output(self.record_confidence)
 
-    def _detokenize(self, sample: _Sample, request: Request) -> bool:
-        """Feed the new token to the detokenizer; True if a stop string ended the request."""
-        token = request.output_token_ids[-1]
-        if request.is_finished and request.stop_reason == token:
-            return False  # EOS / stop token: not part of the text
-        if sample.detokenizer.add_token(token):
-            request.stop_reason = sample.detokenizer.stop_string
-            return True
-        return False
-
-    def _forget(self, sample: _Sample) -> None:
+    def _forget(self, sample: Sample) -> None:
         self._sample_to_group.pop(sample.request.request_id, None)
         self.runner.release(sample.request.request_id)
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for i, sample in enumerate(group.samples):
-            request = sample.request
-            reason = request.status.value if request.is_finished else None
-            completions.append(CompletionOutput(index=i, text=sample.detokenizer.output_text,
-                                                token_ids=list(request.output_token_ids), finish_reason=reason,
-                                                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                                                stop_reason=request.stop_reason,
-                                                delta_text=sample.detokenizer.delta(request.is_finished),
-                                                mean_confidence=request.confidence_sum / request.num_output_tokens
-                                                if self.record_confidence and request.num_output_tokens else None))
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
-                             finished=group.finished, metrics=group.metrics,
-                             num_cached_tokens=group.samples[0].request.num_cached_tokens, error=group.error)
 
     # ---- introspection ------------------------------------------------------------------------------
     @property

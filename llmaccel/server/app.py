@@ -157,7 +157,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                            rejected="unavailable")
         return state.serving
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:  # async: no worker thread per request
         gate.check(request)
 
     def model_for(requested: str | None) -> str:

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from llmaccel.engine.async_engine import RequestStream
+from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import RequestTimeoutError
 from llmaccel.outputs import RequestOutput
 from llmaccel.safety.output_guard import GuardReport

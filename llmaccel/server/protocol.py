@@ -37,27 +37,40 @@ class _Request(BaseModel):
     model_config = _STRICT
 
     model: str | None = None  # None: the served model
-    temperature: float = R["temperature"].field(1.0)
-    top_p: float = R["top_p"].field(1.0)
-    n: int = R["n"].field(1)
+    # Fields with a default take null as "the default", as OpenAI's API does (its clients send nulls);
+    # a completion's null max_tokens means "up to the context window", as in vLLM.
+    temperature: float | None = R["temperature"].field(1.0)
+    top_p: float | None = R["top_p"].field(1.0)
+    n: int | None = R["n"].field(1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, description=SEED_MEANING)
-    presence_penalty: float = R["presence_penalty"].field(0.0)
-    frequency_penalty: float = R["frequency_penalty"].field(0.0)
-    stream: bool = False
+    presence_penalty: float | None = R["presence_penalty"].field(0.0)
+    frequency_penalty: float | None = R["frequency_penalty"].field(0.0)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras (the openai client sends them through extra_body)
-    top_k: int = R["top_k"].field(0)
-    min_p: float = R["min_p"].field(0.0)
-    repetition_penalty: float = R["repetition_penalty"].field(1.0)
-    ignore_eos: bool = False
-    min_tokens: int = R["min_tokens"].field(0)
+    top_k: int | None = R["top_k"].field(0)
+    min_p: float | None = R["min_p"].field(0.0)
+    repetition_penalty: float | None = R["repetition_penalty"].field(1.0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = R["min_tokens"].field(0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids in [0, vocab).")
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = True
     # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
-    result_cache: bool = True
+    result_cache: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = {name: f.default for name, f in cls.model_fields.items()
+                        if f.default is not None and name != "max_tokens"}  # a null max_tokens: the window
+            nulls = [name for name, value in data.items() if value is None and name in defaults]
+            if nulls:
+                data = {**data, **{name: defaults[name] for name in nulls}}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -115,7 +128,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = R["max_tokens"].field(None)
     max_completion_tokens: int | None = R["max_completion_tokens"].field(None)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = R["top_logprobs"].field(None)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -154,7 +167,7 @@ class CompletionRequest(_Request):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: int | None = R["max_tokens"].field(16)
     logprobs: int | None = R["logprobs"].field(None)
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from llmaccel.cache.result_cache import ResultCache
-from llmaccel.engine.async_engine import RequestStream, next_before_deadline
+from llmaccel.engine.request_stream import RequestStream, next_before_deadline
 from llmaccel.outputs import RequestOutput
 
 

@@ -19,8 +19,9 @@ from pydantic import BaseModel
 
 from llmaccel.bounds import check_token_ids
 from llmaccel.cache.result_cache import ResultCache, cache_key, is_cacheable
-from llmaccel.engine.async_engine import AsyncEngine, RequestStream
+from llmaccel.engine.async_engine import AsyncEngine
 from llmaccel.engine.detokenizer import token_bytes_function
+from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import (
     EngineDeadError,
     InvalidRequestError,

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmaccel.config import EngineConfig, ServerConfig
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.server.app import ServerState, create_app
+from llmaccel.server.metrics import parse_metrics
 
 MODEL_NAME = "tiny"
 
@@ -43,12 +43,8 @@ class LiveServer:
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """/metrics -> {sample name: {labels: value}} via prometheus-client's own parser."""
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return samples
+    """/metrics -> {sample name: {labels: value}}."""
+    return parse_metrics(httpx.get(url + "/metrics").text)
 
 
 def metric(server: LiveServer, name: str, **labels: str) -> float:

@@ -127,3 +127,22 @@ def test_unknown_field_names_are_logged_escaped_and_clipped(server, caplog):
     assert response.status_code == 200
     line = next(r.getMessage() for r in caplog.records if "ignoring unknown request field" in r.getMessage())
     assert "\n" not in line and "\\n" in line and "y" * 100 not in line
+
+
+def test_a_bug_mid_stream_ends_the_stream_with_an_error_event_naming_the_response(server, monkeypatch, caplog):
+    def broken_filter(filters, index, choice):
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(server.state.serving, "_filter_delta", broken_filter)
+    with caplog.at_level(logging.ERROR, logger="llmaccel"):
+        with httpx.stream("POST", server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 8, "stream": True},
+                          timeout=30) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    monkeypatch.undo()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "internal_error" and "secret" not in error["message"]
+    response_id = error["message"].split("streaming ")[1].split(";")[0]
+    assert any(response_id in r.getMessage() and "secret internals" in (r.exc_text or "") for r in caplog.records)
+    server.wait_idle()  # the request was aborted and its blocks freed
+    assert httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).status_code == 200

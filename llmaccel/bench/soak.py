@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from llmaccel.bench.datasets import builtin_prompts
-from llmaccel.server.metrics import PREFIX
+from llmaccel.server.metrics import PREFIX, parse_metrics
 
 OUTCOMES = ("completed", "disconnected", "timed_out", "refused", "lost")
 
@@ -179,7 +179,7 @@ async def _settle(url: str, headers: dict | None, timeout_s: float) -> tuple[boo
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=30, headers=headers) as client:
         while True:
-            samples = _parse((await client.get(url + "/metrics")).text)
+            samples = parse_metrics((await client.get(url + "/metrics")).text)
             values = [samples.get(PREFIX + n, {}).get(()) for n in
                       ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")]
             if all(v == 0 for v in values):
@@ -187,16 +187,6 @@ async def _settle(url: str, headers: dict | None, timeout_s: float) -> tuple[boo
             if time.monotonic() > deadline:
                 return False, samples
             await asyncio.sleep(0.1)
-
-
-def _parse(text: str) -> dict[str, dict[tuple, float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return samples
 
 
 def run(args: argparse.Namespace) -> int:

@@ -152,6 +152,17 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def parse_metrics(text: str) -> dict[str, dict[tuple, float]]:
+    """Prometheus text -> {sample name: {sorted label pairs: value}}, by prometheus-client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
 class NullTracker:
     """A result-cache hit's tracker: no engine ran, so there is nothing to record."""
 

@@ -231,6 +231,13 @@ class OpenAIServing:
             yield _sse(p.ErrorResponse(error=error_info(exc)))
             yield "data: [DONE]\n\n"
             return
+        except Exception:  # a bug after the status line went out: the details to the log, the id to the client
+            logger.exception("internal error while streaming %s", job.response_id)
+            yield _sse(p.ErrorResponse(error=p.ErrorInfo(
+                message=f"internal error while streaming {job.response_id}; the server log has the details",
+                type="internal_error", code="internal_error")))
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             served = [c for out in last.values() for c in out.outputs]
             yield _sse(self._chunk(job, []), usage=_usage(job, served, last.values()).model_dump())

@@ -65,9 +65,10 @@ class Range:
         if not self.contains(value):
             raise ValueError(f"{name} must be {self.text}, got {value!r}")
 
-    def field(self, default: object, api: bool = True) -> object:
-        """A pydantic Field with this range as its constraints (and so in the JSON schema)."""
-        r = self.at_api() if api else self
+    def field(self, default: object) -> object:
+        """A pydantic Field with this range, as the HTTP edge takes it, as its constraints (and so in the
+        JSON schema)."""
+        r = self.at_api()
         limits = {("gt" if r.low_open else "ge"): r.low} if r.low is not None else {}
         if r.high is not None:
             limits["lt" if r.high_open else "le"] = r.high

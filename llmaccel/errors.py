@@ -56,9 +56,9 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine could not compute this request (a bug, not the caller's input): it was ended with
-    finish reason "error", and the engine went on with the others (HTTP 500 naming the request)."""
+    finish reason "error", and the engine went on with the others (HTTP 500 naming the request; the
+    reason is in the log, never in the message)."""
 
-    def __init__(self, request_id: str, reason: str) -> None:
+    def __init__(self, request_id: str) -> None:
         super().__init__(f"internal error while generating request {request_id}")
         self.request_id = request_id
-        self.reason = reason  # for the log, never for the client

@@ -82,6 +82,15 @@ def start_server(command: list[str], port: int, log: Path, timeout: float = 900)
     raise RuntimeError(f"{' '.join(command)} did not come up; its log:\n{log.read_text()[-3000:]}")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then kill if it has not exited within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None) -> dict:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)  # bench serve's own defaults, so both commands measure alike
@@ -116,11 +125,7 @@ def run(args: argparse.Namespace) -> int:
             figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer)
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
         systems.append(figures)
     for peer in args.peer:
         label, sep, url = peer.partition("=")

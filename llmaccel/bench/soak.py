@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ from llmaccel.bench.datasets import builtin_prompts
 from llmaccel.server.metrics import PREFIX, parse_metrics
 
 OUTCOMES = ("completed", "disconnected", "timed_out", "refused", "lost")
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")  # all 0 once the server is idle
 
 
 @dataclass(frozen=True)
@@ -167,8 +166,7 @@ async def run_pass(url: str, config: SoakConfig, index: int, headers: dict | Non
             outcomes["lost"] += 1
             lost.append(f"{group}: {len(set(answers))} different answers to one deterministic request")
     settled, samples = await _settle(url, headers, settle_s)
-    gauges = {name: samples.get(PREFIX + name, {}).get((), float("nan"))
-              for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")}
+    gauges = {name: samples.get(PREFIX + name, {}).get((), float("nan")) for name in GAUGES}
     memory = {labels[0][1]: value for labels, value in samples.get(PREFIX + "memory_bytes", {}).items()}
     rss = samples.get("process_resident_memory_bytes", {}).get((), float("nan"))
     return PassResult(index, seconds, outcomes, lost, settled, gauges, rss, memory)
@@ -180,8 +178,7 @@ async def _settle(url: str, headers: dict | None, timeout_s: float) -> tuple[boo
     async with httpx.AsyncClient(timeout=30, headers=headers) as client:
         while True:
             samples = parse_metrics((await client.get(url + "/metrics")).text)
-            values = [samples.get(PREFIX + n, {}).get(()) for n in
-                      ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")]
+            values = [samples.get(PREFIX + name, {}).get(()) for name in GAUGES]
             if all(v == 0 for v in values):
                 return True, samples
             if time.monotonic() > deadline:
@@ -190,7 +187,7 @@ async def _settle(url: str, headers: dict | None, timeout_s: float) -> tuple[boo
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmaccel.bench.compare import free_port, start_server
+    from llmaccel.bench.compare import free_port, start_server, stop_server
     from llmaccel.platform import describe
 
     config = SoakConfig(args.requests, args.concurrency, args.disconnect_share, args.timeout_share,
@@ -212,11 +209,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_pass(result), file=sys.stderr)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     report = {"machine": describe(), "model": args.model if args.url is None else None,
               "serve_args": args.serve_args, "config": asdict(config), "passes": [asdict(p) for p in passes]}
     print(format_table(passes))

@@ -190,7 +190,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             if output.error is not None:  # the engine failed this request alone: its stream raises
-                self._deliver_to(output.request_id, RequestFailedError(output.request_id, output.error))
+                self._deliver_to(output.request_id, RequestFailedError(output.request_id))
             else:
                 self._deliver_to(output.request_id, output)
 
@@ -217,23 +217,25 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._set_ready, exc)
             return
         self._loop.call_soon_threadsafe(self._set_ready, None)
+        loop_error: Exception | None = None  # the last failure, when it came from outside engine.step
         while True:
             try:
                 outcome = self._iterate(engine)
-                if outcome == "stop":
-                    break
-                if outcome != "idle":  # idle passes neither break nor extend a run of failed steps
-                    self._failed_steps = self._failed_steps + 1 if outcome == "failed" else 0
-                error: BaseException = RuntimeError(f"the forward pass failed {self._failed_steps} steps in a row")
             except Exception as exc:  # a fault outside any one request: logged, and the loop goes on
-                self._failed_steps += 1
-                logger.exception("engine loop iteration failed (%d in a row)", self._failed_steps)
-                error = exc
+                outcome, loop_error = "failed", exc
+                logger.exception("engine loop iteration failed (%d in a row)", self._failed_steps + 1)
             except BaseException as exc:  # the thread is being torn down: nobody may wait forever
                 self._die(exc)
                 raise
+            else:
+                if outcome == "failed":  # the forward pass failed; the engine logged it
+                    loop_error = None
+            if outcome == "stop":
+                break
+            if outcome != "idle":  # idle passes neither break nor extend a run of failed steps
+                self._failed_steps = self._failed_steps + 1 if outcome == "failed" else 0
             if self._failed_steps >= self.max_failed_steps:
-                self._die(error)
+                self._die(loop_error or RuntimeError(f"the forward pass failed {self._failed_steps} steps in a row"))
                 return
         self._apply_commands()  # shutting down: take the last aborts and calls, then free every block
         aborted = engine.abort_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -72,6 +73,7 @@ class LLMEngine:
             limits.append(config.scheduler.max_model_len)
         self.max_model_len = min(limits)
         self.num_blocks = num_blocks
+        self.bytes_per_block = bytes_per_token * block_size
         quantization, ready = config.model.quantization, None
         saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
         if saved is not None:
@@ -239,8 +241,10 @@ class LLMEngine:
             return []
         self.num_steps += 1
         now = time.time()
+        groups = {}  # the user requests of this step
         for item in scheduled.scheduled:
             group = self._sample_to_group[item.request.request_id]
+            groups[group.request_id] = group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         try:
@@ -251,8 +255,6 @@ class LLMEngine:
             logger.error("engine step %d failed; ending its %d request(s) (%s) with an error", self.num_steps,
                          len(scheduled.scheduled), ", ".join(i.request.request_id for i in scheduled.scheduled),
                          exc_info=exc)
-            groups = {self._sample_to_group[i.request.request_id].request_id: self._sample_to_group[
-                i.request.request_id] for i in scheduled.scheduled}
             for group in groups.values():
                 self._fail_group(group, exc)
             return [self._finish_group(group, time.time()) for group in groups.values()]
@@ -336,9 +338,13 @@ class LLMEngine:
     def memory_bytes(self) -> dict[str, int]:
         """What the engine holds: weights, the KV pool reserved, and the part of it ever written (the
         pool is mapped lazily, so only that part is resident)."""
-        per_block = self.config.cache.block_size * self.spec.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
-        return {"weights": tensor_bytes(self.runner.model), "kv_pool": self.num_blocks * per_block,
+        per_block = self.bytes_per_block
+        return {"weights": self.weight_bytes, "kv_pool": self.num_blocks * per_block,
                 "kv_pool_touched": self.kv_cache.pool.num_touched * per_block}
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        return tensor_bytes(self.runner.model)  # the weights never change: walk the model once
 
     @property
     def num_running_seqs(self) -> int:

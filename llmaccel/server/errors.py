@@ -52,11 +52,12 @@ def validation_error_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, 
     elif first.get("type") == "model_attributes_type" and not field:
         return "the request body must be a JSON object", None
     if "input" in first and first.get("type") != "missing" and not isinstance(first["input"], dict | list):
-        message += f" (got {_clip(repr(first['input']))})"
+        message += f" (got {clip(repr(first['input']))})"
     extra = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     param = loc[0] if loc else None
     return (f"{field}: {message}{extra}" if field else f"{message}{extra}"), param
 
 
-def _clip(text: str, limit: int = 80) -> str:
+def clip(text: str, limit: int = 80) -> str:
+    """Client-supplied text cut to `limit` characters for a message or a log line."""
     return text if len(text) <= limit else text[:limit] + "..."

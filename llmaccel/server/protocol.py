@@ -9,6 +9,7 @@ llmaccel cannot honour (tools, logit_bias, echo, ...) are rejected rather than s
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated, Any, Literal
 
@@ -65,8 +66,7 @@ class _Request(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            defaults = {name: f.default for name, f in cls.model_fields.items()
-                        if f.default is not None and name != "max_tokens"}  # a null max_tokens: the window
+            defaults = _defaults(cls)
             nulls = [name for name, value in data.items() if value is None and name in defaults]
             if nulls:
                 data = {**data, **{name: defaults[name] for name in nulls}}
@@ -95,6 +95,12 @@ class _Request(BaseModel):
     @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+
+@functools.cache
+def _defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """The fields of a request model whose null means their default (a null max_tokens: the window)."""
+    return {name: f.default for name, f in model.model_fields.items() if f.default is not None and name != "max_tokens"}
 
 
 class ChatMessage(BaseModel):

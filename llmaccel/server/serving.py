@@ -35,6 +35,7 @@ from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
+from llmaccel.server.errors import clip
 from llmaccel.server.job import AnyRequest, Job, Stream, merged, outcome
 from llmaccel.server.metrics import NullTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
@@ -318,7 +319,7 @@ def error_info(exc: BaseException) -> p.ErrorInfo:
 
 def quoted(names: list[str], limit: int = 10, length: int = 40) -> str:
     """Client-supplied names for a log line: escaped (a newline cannot forge a line), clipped, counted."""
-    shown = [repr(name[:length] + ("..." if len(name) > length else "")) for name in names[:limit]]
+    shown = [repr(clip(name, length)) for name in names[:limit]]
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(shown) + more
 

@@ -19,6 +19,7 @@ from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.gguf_native import native_weights
+from llmaccel.model.layers import weight_bytes
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.outputs import RequestMetrics, RequestOutput
@@ -344,7 +345,7 @@ class LLMEngine:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        return tensor_bytes(self.runner.model)  # the weights never change: walk the model once
+        return weight_bytes(self.runner.model)  # the weights never change: walk the model once
 
     @property
     def num_running_seqs(self) -> int:
@@ -357,22 +358,3 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-
-def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every tensor a module holds (parameters, buffers and plain tensor attributes such as
-    packed weights), each storage counted once."""
-    seen: set[int] = set()
-    total = 0
-    for sub in module.modules():
-        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False),
-                   *(v for v in vars(sub).values() if isinstance(v, torch.Tensor))]
-        for tensor in tensors:
-            try:
-                key = tensor.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):  # opaque (e.g. oneDNN-packed) tensors
-                key = id(tensor)
-            if key not in seen:
-                seen.add(key)
-                total += tensor.numel() * tensor.element_size()
-    return total

@@ -131,3 +131,15 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight the model holds: linear layers report their own (packed or quantized)
+    size, other parameters (embedding, norms) count as stored."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "weight_bytes"):
+            total += module.weight_bytes
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from llmaccel.model.layers import weight_bytes
 from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
 
 # label -> engine options; "int4" uses groups of 32 (the default); "-g64": the coarser grid; "awq": quantize
@@ -88,18 +89,6 @@ def perplexity(engine, text: str, max_tokens: int, ctx: int, stride: int, progre
         if end == len(ids):
             break
     return PerplexityResult(math.exp(total / count), count, peak_blocks)
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every weight the model holds: linear layers report their own (packed or quantized)
-    size, other parameters (embedding, norms) count as stored."""
-    total = 0
-    for module in model.modules():
-        if hasattr(module, "weight_bytes"):
-            total += module.weight_bytes
-        else:
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
 
 
 def decode_speed(llm, batch: int, tokens: int = 128) -> float:

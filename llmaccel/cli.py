@@ -12,7 +12,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m",
                         help="model alias (smollm2-135m), a .gguf file, or an HF directory with safetensors")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: bfloat16 where the hardware computes it natively (CUDA, or a CPU with "
+                        "AMX or AVX512-BF16), float32 elsewhere (the choice is logged at start); or float32, bfloat16")
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"),
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
                              "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1/Q8_0 tensors, used without requantizing")

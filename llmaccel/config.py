@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from llmaccel.platform import auto_dtype
+
 DEFAULT_MODEL = "smollm2-135m"
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
@@ -48,7 +50,7 @@ def _dtype_from_name(name: str) -> torch.dtype:
 class ModelConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on the CPU (no bf16 hardware here), bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 where the hardware computes it (CUDA, AMX, AVX512-BF16), else float32
     seed: int = 0
     quantization: str | None = None  # weight-only "int8" / "int4" for the decoder's linear layers, or "gguf":
     # a GGUF file's own Q4_0/Q4_1/Q8_0 tensors as INT4/INT8, with no requantization
@@ -71,7 +73,7 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
+            return _dtype_from_name(auto_dtype(self.device))
         return _dtype_from_name(self.dtype)
 
 

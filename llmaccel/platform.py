@@ -31,6 +31,40 @@ def cpu_model() -> str:
     return _platform.processor() or _platform.machine()
 
 
+BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # CPU features that compute bfloat16 natively
+AUTO_DTYPE_ENV = "LLMACCEL_AUTO_DTYPE"
+
+
+def auto_dtype(device: str, features: set[str] | None = None) -> str:
+    """What `--dtype auto` means: bfloat16 where the hardware computes it natively (CUDA; a CPU with AMX
+    or AVX512-BF16, where bf16 matmuls ran ~7x faster than float32), float32 elsewhere (on an AVX2-only
+    CPU bf16 is emulated and ran ~5x slower). $LLMACCEL_AUTO_DTYPE pins the answer (the test suite pins
+    float32, so its exact comparisons with HF float32 hold on every machine)."""
+    pinned = os.environ.get(AUTO_DTYPE_ENV)
+    if pinned:
+        return pinned
+    if device.startswith("cuda"):
+        return "bfloat16"
+    flags = cpu_features() if features is None else features
+    return "bfloat16" if any(f in flags for f in BF16_HARDWARE) else "float32"
+
+
+def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """Measured memory read bandwidth (GB/s): the best of `repeats` sums over a buffer far larger than
+    the caches, with torch's threads. Batch-1 decode cannot stream weights faster than this."""
+    import time
+
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
 def describe() -> dict[str, object]:
     """The machine, for result files: CPU model, usable cores, the features that decide kernel speed,
     torch's version and the GPU if any."""

@@ -18,6 +18,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from llmaccel.platform import describe, read_bandwidth_gbps
+
 SYSTEMS = ("hf-sequential", "hf-static-batch", "llmaccel")
 
 
@@ -33,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="llmaccel KV cache budget")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="llmaccel max sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="llmaccel token budget per step")
+    parser.add_argument("--dtype", default="auto", help="llmaccel's dtype (auto: the machine's fast one)")
+    parser.add_argument("--quantization", choices=("int8", "int4", "gguf"), help="llmaccel's weight-only quantization")
+    parser.add_argument("--quantize-embedding", action="store_true", help="llmaccel: embedding and LM head in INT8")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every system this many times, alternating, and report medians (noisy machines)")
     parser.add_argument("--result-json", type=Path, help="write all figures to this JSON file")
@@ -68,7 +73,8 @@ def _run_worker(args: argparse.Namespace) -> dict:
         from llmaccel.sampling_params import SamplingParams
 
         llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                  quantization=args.quantization, quantize_embedding=args.quantize_embedding)
         llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         params = [SamplingParams(temperature=0, max_tokens=t, ignore_eos=True) for t in targets]
         before = replace(llm.engine.prefix_cache_stats)
@@ -76,7 +82,8 @@ def _run_worker(args: argparse.Namespace) -> dict:
         outputs = llm.generate(prompt_ids, params, use_tqdm=True)
         wall = time.perf_counter() - start
         after = llm.engine.prefix_cache_stats
-        extra = {"prefix_cache_queries": after.queries - before.queries, "prefix_cache_hits": after.hits - before.hits}
+        extra = {"prefix_cache_queries": after.queries - before.queries, "prefix_cache_hits": after.hits - before.hits,
+                 "weight_bytes": _streamed_bytes(llm), "dtype": str(llm.engine.dtype).removeprefix("torch.")}
         produced = [len(o.outputs[0].token_ids) for o in outputs]
         assert produced == targets, "llmaccel did not generate the target lengths"
         generated = sum(produced)
@@ -142,12 +149,36 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"{system} failed (exit {proc.returncode})")
             runs[system].append(json.loads(lines[-1][len("RESULT "):]))
     results = [_median_run(runs[system]) for system in systems]
+    machine = {**describe(), "read_bandwidth_gbps": round(read_bandwidth_gbps(), 1)}
     _print_table(results, args)
+    _print_ceiling(results, machine)
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                "results": results}, indent=2))
+                                                "machine": machine, "results": results}, indent=2))
     return 0
+
+
+def _streamed_bytes(llm) -> int:
+    """Weight bytes one decode step reads: every weight, less the embedding table where the LM head has
+    its own copy (a lookup reads one row of it)."""
+    from llmaccel.model.layers import weight_bytes
+
+    model = llm.engine.runner.model
+    return llm.engine.weight_bytes - (0 if model.lm_head is model.embedding else weight_bytes(model.embedding))
+
+
+def _print_ceiling(results: list[dict], machine: dict) -> None:
+    """For one request, decode streams every weight once a token: the measured read bandwidth over the
+    weight bytes is the ceiling no engine passes."""
+    print(f"machine: {machine['cpu']} ({', '.join(machine['features']) or 'no listed features'}), "
+          f"read bandwidth {machine['read_bandwidth_gbps']} GB/s")
+    for r in results:
+        if r.get("weight_bytes") and r["num_prompts"] == 1:
+            ceiling = machine["read_bandwidth_gbps"] * 1e9 / r["weight_bytes"]
+            r["bandwidth_ceiling_tok_s"] = round(ceiling, 1)
+            print(f"{r['system']} ({r['dtype']}): {r['weight_bytes'] / 2**20:.0f} MiB of weights read a token, ceiling "
+                  f"{ceiling:.1f} tok/s; this run {r['output_tokens_per_s'] / ceiling:.0%} of it")
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -22,7 +22,9 @@ from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.layers import weight_bytes
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
+from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
+from llmaccel.platform import describe
 from llmaccel.quantization.checkpoint import load_prequantized
 from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
@@ -99,6 +101,12 @@ class LLMEngine:
         self.scorer = SequenceScorer(self.runner, self.kv_cache)
         self._reference: SequenceScorer | None = None
         self._quantized_checkpoint = saved is not None
+        machine = describe()
+        logger.info("machine: %s, %s cores, features %s%s; dtype %s%s; weight-streaming kernels: %s",
+                    machine["cpu"], machine["cores"], ",".join(machine["features"]) or "none",
+                    f", GPU {machine['gpu']}" if machine["gpu"] else "", str(self.dtype).removeprefix("torch."),
+                    " (auto)" if config.model.dtype == "auto" else "",
+                    "on" if self.device.type == "cpu" and gemv_kernels() is not None else "off")
         logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "
                     "attention: %s", num_blocks, block_size, num_blocks * block_size,
                     num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,

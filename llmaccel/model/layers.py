@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.ops.cpu_linear import pack_weight, packed_linear
+from llmaccel.ops.gemv import SMALL_ROWS, gemv_kernels
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
 
@@ -91,14 +92,18 @@ class Embedding(nn.Module):
 
 class Linear(nn.Module):
     """y = x W^T (+ b). On the CPU the weight is pre-packed for oneDNN (see ops/cpu_linear.py);
-    the quantization issue swaps this module for packed-integer variants."""
+    the quantization issue swaps this module for packed-integer variants. `plain_is_shared`: the
+    plain weight lives on anyway (a tied LM head's embedding table), so few-row products may stream
+    it with the weight-streaming kernel (ops/gemv.py) at no memory cost."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, plain_is_shared: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = pack_weight(weight)
         self.weight = None if self.packed is not None else weight  # keep one copy only
+        self._gemv = gemv_kernels() if plain_is_shared and weight.dtype == torch.float32 and weight.is_cpu else None
+        self._plain = weight if self._gemv is not None else None
 
     @property
     def weight_bytes(self) -> int:
@@ -106,6 +111,9 @@ class Linear(nn.Module):
         return self.out_features * self.in_features * size + (0 if self.bias is None else self.bias.numel() * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is not None and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32:
+            out = self._gemv.gemv_f32(x, self._plain)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -96,7 +96,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
         if isinstance(self.embedding, Embedding):
-            self.lm_head = Linear(self.embedding.weight.data if tied else take("lm_head.weight"))
+            if tied:
+                self.lm_head = Linear(self.embedding.weight.data, plain_is_shared=True)
+            else:
+                self.lm_head = Linear(take("lm_head.weight"))
         else:
             self.lm_head = self.embedding if tied else int8_table("lm_head.weight")
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,

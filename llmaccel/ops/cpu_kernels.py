@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels once (torch cpp_extension) and caches the build by source hash.
 
-The first build takes ~30 s (torch's headers are heavy); later processes load the cached library
+The first build takes about a minute (torch's headers are heavy); later processes load the cached library
 in well under a second. If no compiler is available, callers fall back to the torch reference.
 """
 
@@ -17,7 +17,8 @@ from types import ModuleType
 from llmaccel.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_BUILD_FLAGS_VERSION = b"openmp"  # part of the cache key: a flag change rebuilds
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
@@ -59,16 +60,19 @@ def load_cpu_kernels() -> ModuleType | None:
         import torch
         from torch.utils.cpp_extension import load
 
-        source = _SOURCE.read_bytes()
-        digest = hashlib.sha256(source + _cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
+        source = b"".join(path.read_bytes() for path in _SOURCES)
+        key = source + _BUILD_FLAGS_VERSION + _cpu_signature().encode() + torch.__version__.encode()
+        digest = hashlib.sha256(key).hexdigest()[:16]
         build_dir = default_cache_dir() / "kernels" / digest
         build_dir.mkdir(parents=True, exist_ok=True)
         _put_ninja_on_path()
         if not any(build_dir.glob("*.so")):
-            logger.warning("compiling llmaccel's CPU paged-attention kernel (once per machine, ~30 s)")
+            logger.warning("compiling llmaccel's CPU kernels (once per machine, ~1 min)")
         try:
-            _module = load(name=f"llmaccel_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+            _module = load(name=f"llmaccel_cpu_{digest}", sources=[str(path) for path in _SOURCES],
+                           build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"],
                            verbose=False)
         except Exception as exc:  # no compiler, no ninja, ...: the torch reference still works
             _failed = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,18 @@
+// The Python module of llmaccel's CPU kernels (one extension, built by llmaccel/ops/cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     int64_t block_size, int64_t window, double scale);
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w);
+torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor offset);
+bool gemv_vectorized();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("gemv_f32", &gemv_f32, "x @ w.T for few rows, float32 weights");
+  m.def("gemv_i8", &gemv_i8, "x @ w.T for few rows, INT8 weights, INT8 activations in blocks of 32");
+  m.def("gemv_i4", &gemv_i4, "x @ w.T for few rows, INT4 weights in groups of 32, INT8 activations");
+  m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");
+}

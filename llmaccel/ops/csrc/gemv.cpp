@@ -1,0 +1,266 @@
+// Weight-streaming products for linear layers with few rows (decode): y[M, N] = x[M, K] @ W[N, K]^T.
+//
+// With one to a few rows a linear layer is bound by reading its weights once, so these kernels aim at
+// the machine's read bandwidth: each thread streams a contiguous run of weight rows, several rows at a
+// time, and applies every activation row to a weight row while it sits in L1.
+// - float32 weights: AVX2 FMA, four weight rows per pass (four read streams in flight).
+// - INT8 weights (a scale per row, or per 32 inputs: GGUF Q8_0) and INT4 weights (32-wide groups, a
+//   float16 scale and offset each: GGUF Q4_1's grid): the activations are quantized on the fly to INT8 in
+//   blocks of 32, each with its own scale (llama.cpp's Q8 activations), and the products are integer
+//   dot products (AVX2 maddubs), 32 multiply-adds an instruction, so the kernel waits on memory rather
+//   than on arithmetic. Each block's integer sum is scaled once in float.
+// Builds without AVX2 run the same arithmetic in plain C++ (same results up to float summation order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLMACCEL_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per activation block (and per INT4 group)
+
+inline float half_to_float(uint16_t h) {
+#ifdef LLMACCEL_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// Activation rows quantized to INT8 in blocks of 32: q = round(x / d) with d = max|x| / 127.
+struct QuantizedRows {
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, K / 32]
+  std::vector<float> dsum;  // [M, K / 32]: d * sum(q) of each block (what an INT4 offset multiplies)
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / kBlock;
+  QuantizedRows out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* src = x + i * kBlock;
+    int8_t* dst = out.q.data() + i * kBlock;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
+      dst[j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[i] = d;
+    out.dsum[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+#ifdef LLMACCEL_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight int32 partial sums of the 32 products w[j] * x[j], w and x signed (|x| <= 127, so the pairs
+// maddubs adds stay below 2^15).
+inline __m256i dot_i8_i8(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// The same for unsigned 4-bit weights packed 16 bytes a group: byte j holds input j (low nibble) and
+// input j + 16 (high nibble).
+inline __m256i dot_u4_i8(const uint8_t* packed, __m256i x) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+#endif
+
+// y[m, n] for weight rows [n0, n1) of float32 W.
+void f32_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
+  int64_t r = n0;
+#ifdef LLMACCEL_AVX2
+  if (k % 8 == 0) {
+    for (; r + 4 <= n1; r += 4) {
+      const float* w0 = w + r * k;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xi = x + i * k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < k; j += 8) {
+          const __m256 xv = _mm256_loadu_ps(xi + j);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j), xv, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + j), xv, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * k + j), xv, a2);
+          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * k + j), xv, a3);
+        }
+        float* yi = y + i * n + r;
+        yi[0] = hsum(a0), yi[1] = hsum(a1), yi[2] = hsum(a2), yi[3] = hsum(a3);
+      }
+    }
+  }
+#endif
+  for (; r < n1; ++r)
+    for (int64_t i = 0; i < m; ++i) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += x[i * k + j] * w[r * k + j];
+      y[i * n + r] = sum;
+    }
+}
+
+// INT8 weights; `scale` holds one float per row (grouped == false) or one per 32 inputs.
+void i8_rows(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
+             int64_t n, int64_t k, int64_t n0, int64_t n1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = n0; r < n1; ++r) {
+    const int8_t* wr = w + r * k;
+    const float* sr = grouped ? scale + r * nb : scale + r;
+    for (int64_t i = 0; i < m; ++i) {
+      const int8_t* xq = a.q.data() + i * k;
+      const float* d = a.d.data() + i * nb;
+      float sum = 0.0f;
+#ifdef LLMACCEL_AVX2
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+        const float s = grouped ? d[b] * sr[b] : d[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(dot_i8_i8(wv, xv)), acc);
+      }
+      sum = hsum(acc);
+#else
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < kBlock; ++j) dot += int32_t(wr[b * kBlock + j]) * int32_t(xq[b * kBlock + j]);
+        sum += (grouped ? d[b] * sr[b] : d[b]) * static_cast<float>(dot);
+      }
+#endif
+      y[i * n + r] = grouped ? sum : sum * sr[0];
+    }
+  }
+}
+
+// INT4 weights: w = q * scale + offset per 32-wide group, q in 0..15, scale and offset float16.
+void i4_rows(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
+             float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
+  const int64_t nb = k / kBlock;
+  std::vector<float> s(nb), o(nb);
+  for (int64_t r = n0; r < n1; ++r) {
+    const uint8_t* wr = packed + r * (k / 2);
+    for (int64_t b = 0; b < nb; ++b) s[b] = half_to_float(scale[r * nb + b]), o[b] = half_to_float(offset[r * nb + b]);
+    for (int64_t i = 0; i < m; ++i) {
+      const int8_t* xq = a.q.data() + i * k;
+      const float* d = a.d.data() + i * nb;
+      const float* dsum = a.dsum.data() + i * nb;
+      float sum = 0.0f;
+#ifdef LLMACCEL_AVX2
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * s[b]), _mm256_cvtepi32_ps(dot_u4_i8(wr + b * 16, xv)), acc);
+        sum += o[b] * dsum[b];
+      }
+      sum += hsum(acc);
+#else
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 16; ++j) {
+          dot += int32_t(wr[b * 16 + j] & 0x0F) * int32_t(xq[b * kBlock + j]);
+          dot += int32_t(wr[b * 16 + j] >> 4) * int32_t(xq[b * kBlock + j + 16]);
+        }
+        sum += d[b] * s[b] * static_cast<float>(dot) + o[b] * dsum[b];
+      }
+#endif
+      y[i * n + r] = sum;
+    }
+  }
+}
+
+// Splits the weight rows between ATen's threads in runs of `grain` (a multiple of four).
+template <typename Fn>
+void over_rows(int64_t n, Fn fn) {
+  const int64_t threads = at::get_num_threads();
+  int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
+  grain = (grain + 3) / 4 * 4;
+  at::parallel_for(0, n, grain, fn);
+}
+
+torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
+  return x.to(torch::kFloat32).contiguous();
+}
+
+}  // namespace
+
+// x [M, K] (float32 or bfloat16), w float32 [N, K] -> float32 [M, N].
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be contiguous float32 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto xf = as_float_rows(x, k);
+  auto y = torch::empty({xf.size(0), n}, xf.options());
+  const float *xp = xf.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_rows(n, [&](int64_t n0, int64_t n1) { f32_rows(xp, wp, yp, xf.size(0), n, k, n0, n1); });
+  return y;
+}
+
+// w int8 [N, K]; scale float32 [N] (per row) or [N, K / 32] (per 32 inputs). K a multiple of 32.
+torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(), "scale must be contiguous float32");
+  const bool grouped = scale.dim() == 2;
+  TORCH_CHECK(grouped ? (scale.size(0) == n && scale.size(1) == k / kBlock) : (scale.dim() == 1 && scale.size(0) == n),
+              "scale must be [N] or [N, K / 32]");
+  auto xf = as_float_rows(x, k);
+  const int64_t m = xf.size(0);
+  const QuantizedRows a = quantize_rows(xf.data_ptr<float>(), m, k);
+  auto y = torch::empty({m, n}, xf.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_rows(n, [&](int64_t n0, int64_t n1) { i8_rows(a, wp, sp, grouped, yp, m, n, k, n0, n1); });
+  return y;
+}
+
+// packed uint8 [N, K / 2] (see dot_u4_i8 for the nibble order); scale, offset float16 [N, K / 32].
+torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor offset) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "packed must be contiguous uint8 [N, K / 2]");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32, got ", k);
+  for (const auto* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == k / kBlock,
+                "scale and offset must be contiguous float16 [N, K / 32]");
+  auto xf = as_float_rows(x, k);
+  const int64_t m = xf.size(0);
+  const QuantizedRows a = quantize_rows(xf.data_ptr<float>(), m, k);
+  auto y = torch::empty({m, n}, xf.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  over_rows(n, [&](int64_t n0, int64_t n1) { i4_rows(a, wp, sp, op, yp, m, n, k, n0, n1); });
+  return y;
+}
+
+bool gemv_vectorized() {
+#ifdef LLMACCEL_AVX2
+  return true;
+#else
+  return false;
+#endif
+}

@@ -32,7 +32,9 @@ def test_the_built_wheel_carries_and_loads_the_kernels(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)
-    env = {**os.environ, "PYTHONPATH": str(target)}  # the installed copy first; its dependencies from this venv
+    # The installed copy first (its dependencies from this venv); a cache of its own, so it builds its kernels
+    # from the sources it carries and leaves this checkout's build alone.
+    env = {**os.environ, "PYTHONPATH": str(target), "LLMACCEL_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("LLMACCEL_DISABLE_KERNELS", None)
     result = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
                             check=True)

@@ -1,10 +1,10 @@
 """Weight-only INT8 / INT4 linear layers.
 
-INT8 with one scale per row runs llmaccel's own kernel on the CPU (ops/gemv.py: activations quantized
-to INT8 in blocks of 32, integer dot products) at every row count: measured here it beats torch's
-kernel from one row (2x) to 512 (1.2x), and one kernel at every batch size keeps a request's tokens
-independent of what it is batched with. Otherwise they call PyTorch's own weight-only kernels,
-`torch._weight_int8pack_mm` and, for INT4, `torch._weight_int4pack_mm_for_cpu` on the CPU or
+INT8 with one scale per row and INT4 run llmaccel's own kernels on the CPU (ops/gemv.py: activations
+quantized to INT8 in blocks of 32, integer dot products) at every row count: measured here they beat
+torch's kernels from one row (INT8 2x, INT4 1.6-1.8x) to 512 (1.2-1.3x), and one kernel at every batch
+size keeps a request's tokens independent of what it is batched with. Otherwise they call PyTorch's
+own weight-only kernels, `torch._weight_int8pack_mm` and, for INT4, `torch._weight_int4pack_mm_for_cpu` on the CPU or
 `torch._weight_int4pack_mm` (tinygemm) on CUDA.
 All want bfloat16 activations: the input is cast to bf16 around the call and the result back
 (measured on this CPU: fast with bf16, ~20x slower with float32). Each kernel is checked once per
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.gemv import BLOCK, gemv_kernels
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_rows
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,15 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
         self.bias = bias
+        streams = device.type == "cpu" and use_kernel is not False
+        self._gemv = gemv_kernels() if streams else None
+        if self._gemv is not None:  # llmaccel's kernel at every row count: its own layout, scales in float16
+            repeats = self.group_size // BLOCK
+            self.packed = pack_int4_rows(unpack_int4(weight.packed))
+            self.scale16 = weight.scale.repeat_interleave(repeats, dim=1).half().contiguous()
+            self.offset16 = (weight.zero - 8 * weight.scale).repeat_interleave(repeats, dim=1).half().contiguous()
+            self.use_kernel = True
+            return
         if use_kernel is None:
             use_kernel = _kernel_device(device) and int4_kernel_available(device.type)
         self.use_kernel = use_kernel
@@ -166,12 +175,16 @@ class Int4Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self._gemv is not None:
+            return self.packed.numel() + (self.scale16.numel() + self.offset16.numel()) * 2 + bias
         if self.use_kernel:
             return self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias
         return self.weight.nbytes + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
+        if self._gemv is not None:
+            out = self._gemv.gemv_i4(x, self.packed, self.scale16, self.offset16).to(x.dtype)
+        elif self.use_kernel:
             out = int4_matmul(x, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         else:
             out = F.linear(x, self.weight.dequantize().to(x.dtype))

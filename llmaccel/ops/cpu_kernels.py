@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from llmaccel.config import default_cache_dir
+from llmaccel.platform import cpu_features
 
 logger = logging.getLogger(__name__)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
@@ -26,15 +27,7 @@ _failed: str | None = None
 
 def _cpu_signature() -> str:
     """Identify the CPU's instruction set, since the build uses -march=native."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    return platform.machine() + flags
+    return platform.machine() + " ".join(sorted(cpu_features()))
 
 
 def _put_ninja_on_path() -> None:

@@ -1,11 +1,13 @@
-"""The weight-streaming kernels (ops/csrc/gemv.cpp) against float references, and their layouts."""
+"""The weight-streaming kernels (ops/csrc/gemv.cpp, ops/csrc/linear_f32.cpp) against float references,
+and their layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_rows
+from llmaccel.model.layers import Linear
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_rows, to_panels
 
 kernels = gemv_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable or without AVX2 on this machine")
@@ -15,13 +17,42 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 64])
-@pytest.mark.parametrize(("n", "k"), [(4, 32), (37, 96), (300, 576)])
-def test_float32_matches_matmul(rows, n, k):
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(4, 32), (37, 96), (300, 576), (40, 600)])
+def test_float32_panels_match_matmul(rows, n, k):
     gen = torch.Generator().manual_seed(rows * n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-    assert relative_error(kernels.gemv_f32(x, w), x @ w.t()) < 1e-6
-    assert kernels.gemv_f32(x.bfloat16(), w).dtype == torch.float32  # bf16 input is read as float
+    assert relative_error(kernels.linear_f32(x, to_panels(w), n), x @ w.t()) < 5e-6  # float rounding
+    assert kernels.linear_f32(x.bfloat16(), to_panels(w), n).dtype == torch.float32  # bf16 input is read as float
+
+
+def test_panel_layout():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    panels = to_panels(w)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[0, :, 5], w[5]) and torch.equal(panels[1, :, 3], w[19])
+    assert torch.equal(panels[1, :, 4:], torch.zeros(3, 12))  # padding rows
+
+
+def test_float32_is_batch_invariant():
+    """A row's output is bit-identical whatever rows share the call (one summation order everywhere:
+    one to six rows stream whole panels, more go 256 inputs a pass and resume exactly)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 100, 1536
+    x, panels = torch.randn(300, k, generator=gen), to_panels(torch.randn(n, k, generator=gen))
+    batch = kernels.linear_f32(x, panels, n)
+    for first, count in ((0, 1), (7, 1), (299, 1), (10, 5), (100, 64), (0, 129)):
+        assert torch.equal(kernels.linear_f32(x[first:first + count], panels, n), batch[first:first + count])
+
+
+def test_tied_table_rows_come_from_the_panels():
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randn(50, 64, generator=gen)
+    linear = Linear(table.clone())
+    assert linear.panels is not None and linear.weight is None and linear.has_rows
+    ids = torch.tensor([0, 17, 49, 17])
+    assert torch.equal(linear.rows(ids), table[ids])
+    assert linear.weight_bytes == 64 * 64 * 4  # 50 rows padded to 64: the one copy it holds
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -61,6 +92,8 @@ def test_shapes_are_checked():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.gemv_i8(torch.randn(1, 40), torch.zeros(3, 40, dtype=torch.int8), torch.ones(3))
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
-        kernels.gemv_f32(torch.randn(1, 32), torch.randn(3, 64))
+        kernels.linear_f32(torch.randn(1, 32), to_panels(torch.randn(3, 64)), 3)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernels.linear_f32(torch.randn(1, 64), to_panels(torch.randn(3, 64)), 17)
     with pytest.raises(RuntimeError, match="scale must be"):
         kernels.gemv_i8(torch.randn(1, 64), torch.zeros(3, 64, dtype=torch.int8), torch.ones(4))

@@ -1,8 +1,9 @@
-"""One linear layer at a few row counts: oneDNN packed float32, torch's INT8 kernel and llmaccel's
-weight-streaming kernels (ops/gemv.py), with the read rate each reaches. The figures in
-docs/benchmarks.md ("Fast on the machine it lands on") came from this comparison.
+"""One linear layer at a few row counts: oneDNN packed float32, llmaccel's float32 panel kernel,
+torch's INT8 kernel and llmaccel's INT8/INT4 kernels (ops/gemv.py), with the read rate each reaches.
+The figures in docs/benchmarks.md ("Fast on the machine it lands on") and ops/cpu_linear.py came from
+this comparison.
 
-    .venv/bin/python tools/gemv_bench.py --rows 1,8,64
+    .venv/bin/python tools/gemv_bench.py --rows 1,8,64,256,1024
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import torch
 
 from llmaccel.ops.cpu_linear import pack_weight, packed_linear
-from llmaccel.ops.gemv import gemv_kernels, pack_int4_rows
+from llmaccel.ops.gemv import gemv_kernels, pack_int4_rows, to_panels
 from llmaccel.platform import describe, read_bandwidth_gbps
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -28,12 +29,13 @@ def best_seconds(fn, calls: int, repeats: int = 5) -> float:
     return best / calls
 
 
-def layer_timings(kernels, x, dense, packed, q8, scale, scale_bf16, q4, s4) -> dict[str, tuple[float, float]]:
+def layer_timings(kernels, x, panels, packed, q8, scale, scale_bf16, q4, s4) -> dict[str, tuple[float, float]]:
     """Seconds a call and bytes a weight for each kernel on rows x."""
-    calls = len(dense)
+    calls = len(panels)
+    n = panels[0].shape[0] * 16
     return {
         "onednn-f32": (best_seconds(lambda: [packed_linear(x, p, None) for p in packed], calls), 4),
-        "gemv-f32": (best_seconds(lambda: [kernels.gemv_f32(x, w) for w in dense], calls), 4),
+        "panel-f32": (best_seconds(lambda: [kernels.linear_f32(x, p, n) for p in panels], calls), 4),
         "torch-int8": (best_seconds(lambda: [torch._weight_int8pack_mm(x.bfloat16(), q, scale_bf16) for q in q8],
                                     calls), 1),
         "gemv-int8": (best_seconds(lambda: [kernels.gemv_i8(x, q, scale) for q in q8], calls), 1),
@@ -55,12 +57,14 @@ def main() -> None:
         copies = max(1, 64 * 2**20 // (n * k * 4))  # enough distinct weights that none stays in cache
         dense = [torch.randn(n, k) for _ in range(copies)]
         packed = [pack_weight(w) for w in dense]
+        panels = [to_panels(w) for w in dense]
+        del dense
         q8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
         scale, scale_bf16 = torch.rand(n), torch.rand(n).bfloat16()
         q4 = [pack_int4_rows(torch.randint(0, 16, (n, k))) for _ in range(copies)]
         s4 = torch.rand(n, k // 32).half()
         for rows in (int(r) for r in args.rows.split(",")):
-            timings = layer_timings(kernels, torch.randn(rows, k), dense, packed, q8, scale, scale_bf16, q4, s4)
+            timings = layer_timings(kernels, torch.randn(rows, k), panels, packed, q8, scale, scale_bf16, q4, s4)
             cells = [f"{kernel} {sec * 1e6:.0f} us ({n * k * size / sec / 1e9:.1f} GB/s)"
                      for kernel, (sec, size) in timings.items()]
             print(f"{name} {n}x{k} rows {rows}: " + " | ".join(cells))

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.cpu_linear import pack_weight, packed_linear
-from llmaccel.ops.gemv import SMALL_ROWS, gemv_kernels
+from llmaccel.ops.cpu_linear import pack_panels, pack_weight, packed_linear, panel_linear, panel_rows
+from llmaccel.ops.layer_ops import kernels_for, rms_norm_reference, rope_reference, silu_mul
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
 
@@ -25,11 +25,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # torch's fused kernel: the same formula, bit-identical here
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        kernels = kernels_for(x)
+        if kernels is None or x.dim() != 2 or x.stride(1) != 1:
+            return rms_norm_reference(x, self.weight, self.eps)
+        return kernels.rms_norm(x, None, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add folded into the norm. The
+        residual tensor is updated in place where the kernels run: it must be the caller's own."""
+        kernels = kernels_for(x)
+        if kernels is None or x.dim() != 2 or x.stride(1) != 1 or not residual.is_contiguous():
+            residual = residual + x
+            return rms_norm_reference(residual, self.weight, self.eps), residual
+        return kernels.rms_norm(x, residual, self.weight, self.eps), residual
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -69,14 +77,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """qk: [T, H + KVH, D], queries and keys side by side so one pass rotates both; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return qk * cos + _rotate_half(qk) * sin
+        return rope_reference(qk, self.cos[positions], self.sin[positions])
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k [T, KVH, D]) rotated, from the fused projection qkv [T, (H + 2 KVH) D]; in
+        place (q and k are views of qkv) where the kernels run."""
+        tokens, q_size = qkv.shape[0], num_heads * head_dim
+        kernels = kernels_for(qkv)
+        if kernels is not None and qkv.stride(1) == 1 and self.cos.dtype == qkv.dtype:
+            kernels.rope_(qkv, num_heads + num_kv_heads, head_dim, positions, self.cos, self.sin)
+            qk = qkv[:, : q_size + num_kv_heads * head_dim].view(tokens, -1, head_dim)
+        else:
+            qk = self(positions, qkv[:, : q_size + num_kv_heads * head_dim].view(tokens, -1, head_dim))
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        return q, k
 
 
 class Embedding(nn.Module):
@@ -91,29 +106,40 @@ class Embedding(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). On the CPU the weight is pre-packed for oneDNN (see ops/cpu_linear.py);
-    the quantization issue swaps this module for packed-integer variants. `plain_is_shared`: the
-    plain weight lives on anyway (a tied LM head's embedding table), so few-row products may stream
-    it with the weight-streaming kernel (ops/gemv.py) at no memory cost."""
+    """y = x W^T (+ b), holding one copy of the weight. Float32 on the CPU: llmaccel's panel layout
+    and kernel at every row count, or (no AVX2 build) oneDNN's pre-packed layout (ops/cpu_linear.py);
+    otherwise the plain weight and F.linear. The quantization issue swaps this module for
+    packed-integer variants. `rows(ids)` looks rows up (a tied embedding table) where the layout allows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, plain_is_shared: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = pack_weight(weight)
-        self.weight = None if self.packed is not None else weight  # keep one copy only
-        self._gemv = gemv_kernels() if plain_is_shared and weight.dtype == torch.float32 and weight.is_cpu else None
-        self._plain = weight if self._gemv is not None else None
+        self.panels = pack_panels(weight)
+        self.packed = pack_weight(weight) if self.panels is None else None
+        self.weight = weight if self.panels is None and self.packed is None else None
 
     @property
     def weight_bytes(self) -> int:
+        stored = next(t for t in (self.panels, self.packed, self.weight) if t is not None)
         size = 4 if self.weight is None else self.weight.element_size()
-        return self.out_features * self.in_features * size + (0 if self.bias is None else self.bias.numel() * size)
+        stored_numel = self.out_features * self.in_features if self.packed is not None else stored.numel()
+        return stored_numel * size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @property
+    def has_rows(self) -> bool:
+        return self.packed is None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return panel_rows(self.panels, ids)
+        if self.weight is None:
+            raise ValueError("a oneDNN-packed weight cannot be read by rows")
+        return F.embedding(ids, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32:
-            out = self._gemv.gemv_f32(x, self._plain)
-            return out if self.bias is None else out + self.bias
+        if self.panels is not None:
+            return panel_linear(x, self.panels, self.out_features, self.bias).to(x.dtype)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -137,8 +163,7 @@ class GatedMLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))
 
 
 def weight_bytes(model) -> int:

@@ -29,18 +29,23 @@ class DecoderLayer(nn.Module):
         self.qkv, self.o, self.mlp = qkv, o, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attention: PagedAttention, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, attention: PagedAttention, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden`: the previous layer's MLP output, not yet added to the residual stream `residual` (None
+        at the first layer: `hidden` is the embedding). Returns this layer's (MLP output, residual):
+        each residual add is folded into the norm that follows it (vLLM's fused_add_rms_norm)."""
         num_tokens = hidden.shape[0]
-        residual = hidden
-        qkv = self.qkv(self.input_norm(hidden))
-        qk = rotary(positions, qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if residual is None:
+            residual, hidden = hidden, self.input_norm(hidden)
+        else:
+            hidden, residual = self.input_norm.add_forward(hidden, residual)
+        qkv = self.qkv(hidden)
+        q, k = rotary.rotate(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
-        hidden = residual + self.o(attn.reshape(num_tokens, self.q_size))
-        return hidden + self.mlp(self.post_norm(hidden))
+        hidden, residual = self.post_norm.add_forward(self.o(attn.reshape(num_tokens, self.q_size)), residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -72,6 +77,9 @@ class LlamaForCausalLM(nn.Module):
         tied = spec.tie_word_embeddings or not ("lm_head.weight" in weights or "lm_head.weight" in prequantized)
         if quantize_embedding or "model.embed_tokens.weight" in prequantized:
             self.embedding = int8_table("model.embed_tokens.weight")
+        elif tied:  # one copy serves both where the layout can be read by rows
+            table = Linear(take("model.embed_tokens.weight"))
+            self.embedding = table if table.has_rows else Embedding(take("model.embed_tokens.weight"))
         else:
             self.embedding = Embedding(take("model.embed_tokens.weight"))
         layers = []
@@ -95,13 +103,12 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
-        if isinstance(self.embedding, Embedding):
-            if tied:
-                self.lm_head = Linear(self.embedding.weight.data, plain_is_shared=True)
-            else:
-                self.lm_head = Linear(take("lm_head.weight"))
+        if tied:
+            self.lm_head = table if isinstance(self.embedding, Embedding) else self.embedding
+        elif isinstance(self.embedding, Embedding):
+            self.lm_head = Linear(take("lm_head.weight"))
         else:
-            self.lm_head = self.embedding if tied else int8_table("lm_head.weight")
+            self.lm_head = int8_table("lm_head.weight")
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
                                       dtype).to(device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
@@ -109,10 +116,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden = self.embedding.rows(input_ids)
+        hidden, residual = self.embedding.rows(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, self.attention, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)
+        return self.norm.add_forward(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

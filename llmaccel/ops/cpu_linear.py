@@ -1,9 +1,17 @@
-"""Dense float32 linear layers on the CPU through oneDNN with pre-packed (blocked) weights.
+"""Dense float32 linear layers on the CPU: llmaccel's panel kernel, or oneDNN with pre-packed weights.
 
-Packing once at load time lets every matmul skip oneDNN's per-call weight reorder: measured here
-1.3-2x faster than `F.linear` at the engine's shapes (the LM head at batch 64: 34 ms -> 17 ms).
-The op is PyTorch's own (`torch.ops.mkldnn._linear_pointwise`, the one inductor uses on CPU);
-where it is missing or fails its self-check, callers keep the plain weight and `F.linear`.
+Where the C++ kernels run (AVX2), a float32 weight is stored once in panels of 16 output columns
+(`pack_panels`) and `linear_f32` (csrc/linear_f32.cpp) serves every row count from that one copy:
+measured on a 2-core AMD EPYC (tools/linear_bench.py) 1.6-1.8x oneDNN's packed path at one row (it
+reads the weights at the machine's bandwidth), on par at 64 rows, 0.85-0.9x at 256-1024 (prefill),
+and its outputs do not depend on the batch. A tied LM head's table is the same copy: `panel_rows`
+gathers embedding rows from it, so the model holds its largest matrix once.
+
+Elsewhere (no AVX2 build), oneDNN with pre-packed weights: packing once at load time lets every
+matmul skip oneDNN's per-call weight reorder: measured here 1.3-2x faster than `F.linear` at the
+engine's shapes (the LM head at batch 64: 34 ms -> 17 ms). The op is PyTorch's own
+(`torch.ops.mkldnn._linear_pointwise`, the one inductor uses on CPU); where it is missing or fails
+its self-check, callers keep the plain weight and `F.linear`.
 
 oneDNN builds (JIT-compiles) and caches a primitive per row count, ~600 KiB and ~1-2 ms each
 (measured here), and a server sees every row count from 1 to --max-num-batched-tokens: left alone,
@@ -19,8 +27,27 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llmaccel.ops.gemv import PANEL, gemv_kernels, to_panels
+
 logger = logging.getLogger(__name__)
 _BATCH_HINT = 64  # oneDNN tunes the packed layout for this many rows; any row count works
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """W [N, K] -> [ceil(N / 16), K, 16] (N zero-padded), or None where the panel kernel does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or gemv_kernels() is None:
+        return None
+    return to_panels(weight.contiguous())
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    out = gemv_kernels().linear_f32(x, panels, n)
+    return out if bias is None else out + bias
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight [N, K] stored as panels: an embedding lookup in the tied table."""
+    return panels[ids // PANEL, :, ids % PANEL]
 
 
 @functools.cache

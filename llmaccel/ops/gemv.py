@@ -1,12 +1,12 @@
-"""Weight-streaming linear kernels for few rows (decode), from llmaccel's C++ CPU kernels (csrc/gemv.cpp).
+"""Weight-streaming linear kernels, from llmaccel's C++ CPU kernels (csrc/gemv.cpp, csrc/linear_f32.cpp).
 
 With one to a few rows a linear layer is bound by reading its weights once. oneDNN's float32 path
 reads them at ~11-14 GB/s at one row here and torch's INT8 weight-only kernel at ~7 GB/s; these
-kernels read float32 at ~18 GB/s and INT8 at ~16 GB/s (2-core AMD EPYC, 23 GB/s measured read
+kernels read float32 at ~17-18 GB/s and INT8 at ~16 GB/s (2-core AMD EPYC, 17-23 GB/s measured read
 bandwidth). INT8 and INT4 weights meet activations quantized to INT8 in blocks of 32 (llama.cpp's Q8
 scheme), so the products are integer dot products; the INT8 kernel also beats torch's at 512 rows
-(1.2x), so INT8 layers use it at every row count. Past a few rows float32 work is compute-bound and
-oneDNN's blocked GEMM wins, so float32 layers use `gemv_f32` only up to `SMALL_ROWS` rows.
+(1.2x), so INT8 layers use it at every row count. Float32 weights live in panels of 16 output columns
+(`to_panels`), which one kernel, `linear_f32`, reads at every row count (see ops/cpu_linear.py).
 
 Each kernel is checked once against a float reference before anything uses it; where the C++ build
 is missing, lacks AVX2, or fails the check, callers keep their other path.
@@ -23,8 +23,16 @@ import torch
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
-SMALL_ROWS = 4
 BLOCK = 32  # activation block and INT4 group width of the kernels
+PANEL = 16  # output columns a panel of linear_f32's float32 layout
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 16), K, 16], N zero-padded: each panel is 16 rows of W, input-major."""
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, num_panels * PANEL - n))
+    return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
@@ -43,11 +51,11 @@ def _self_check(kernels: ModuleType) -> str | None:
     """None if every kernel matches its reference on random data, else what failed."""
     gen = torch.Generator().manual_seed(0)
     n, k = 40, 96
-    for rows in (1, 3, 5):
+    for rows in (1, 3, 5, 7, 140):
         x = torch.randn(rows, k, generator=gen)
         w = torch.randn(n, k, generator=gen)
-        if _relative_error(kernels.gemv_f32(x, w), x @ w.t()) > 1e-5:
-            return "gemv_f32"
+        if _relative_error(kernels.linear_f32(x, to_panels(w), n), x @ w.t()) > 1e-5:
+            return "linear_f32"
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen)):
             full = scale[:, None] if scale.dim() == 1 else scale.repeat_interleave(BLOCK, dim=1)
@@ -66,7 +74,7 @@ def _self_check(kernels: ModuleType) -> str | None:
 def gemv_kernels() -> ModuleType | None:
     """The checked C++ kernels, or None where they cannot be used (the reason is logged once)."""
     kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "gemv_i8"):
+    if kernels is None or not hasattr(kernels, "linear_f32"):
         return None
     if not kernels.gemv_vectorized():
         logger.info("weight-streaming kernels built without AVX2; using oneDNN / torch's kernels")

@@ -3,7 +3,7 @@
 // With one to a few rows a linear layer is bound by reading its weights once, so these kernels aim at
 // the machine's read bandwidth: each thread streams a contiguous run of weight rows, several rows at a
 // time, and applies every activation row to a weight row while it sits in L1.
-// - float32 weights: AVX2 FMA, four weight rows per pass (four read streams in flight).
+// (float32 weights: linear_f32.cpp, one layout for every row count.)
 // - INT8 weights (a scale per row, or per 32 inputs: GGUF Q8_0) and INT4 weights (32-wide groups, a
 //   float16 scale and offset each: GGUF Q4_1's grid): the activations are quantized on the fly to INT8 in
 //   blocks of 32, each with its own scale (llama.cpp's Q8 activations), and the products are integer
@@ -88,37 +88,6 @@ inline __m256i dot_u4_i8(const uint8_t* packed, __m256i x) {
 }
 #endif
 
-// y[m, n] for weight rows [n0, n1) of float32 W.
-void f32_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
-  int64_t r = n0;
-#ifdef LLMACCEL_AVX2
-  if (k % 8 == 0) {
-    for (; r + 4 <= n1; r += 4) {
-      const float* w0 = w + r * k;
-      for (int64_t i = 0; i < m; ++i) {
-        const float* xi = x + i * k;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < k; j += 8) {
-          const __m256 xv = _mm256_loadu_ps(xi + j);
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j), xv, a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + j), xv, a1);
-          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * k + j), xv, a2);
-          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * k + j), xv, a3);
-        }
-        float* yi = y + i * n + r;
-        yi[0] = hsum(a0), yi[1] = hsum(a1), yi[2] = hsum(a2), yi[3] = hsum(a3);
-      }
-    }
-  }
-#endif
-  for (; r < n1; ++r)
-    for (int64_t i = 0; i < m; ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < k; ++j) sum += x[i * k + j] * w[r * k + j];
-      y[i * n + r] = sum;
-    }
-}
-
 // INT8 weights; `scale` holds one float per row (grouped == false) or one per 32 inputs.
 void i8_rows(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
              int64_t n, int64_t k, int64_t n0, int64_t n1) {
@@ -202,18 +171,6 @@ torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
 }
 
 }  // namespace
-
-// x [M, K] (float32 or bfloat16), w float32 [N, K] -> float32 [M, N].
-torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be contiguous float32 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  auto xf = as_float_rows(x, k);
-  auto y = torch::empty({xf.size(0), n}, xf.options());
-  const float *xp = xf.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_rows(n, [&](int64_t n0, int64_t n1) { f32_rows(xp, wp, yp, xf.size(0), n, k, n0, n1); });
-  return y;
-}
 
 // w int8 [N, K]; scale float32 [N] (per row) or [N, K / 32] (per 32 inputs). K a multiple of 32.
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {

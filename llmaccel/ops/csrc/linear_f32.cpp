@@ -1,0 +1,139 @@
+// Float32 linear layers on one weight layout for every row count: y[M, N] = x[M, K] @ W[N, K]^T.
+//
+// The weight is stored once, in panels of 16 output columns: P[N / 16][K][16] (N padded up to 16), so
+// a product reads each panel front to back. One micro-kernel serves every row count: up to six
+// activation rows against one panel, in twelve AVX2 accumulators (BLIS's register tile), each output
+// summed over k = 0 .. K-1 in order, one FMA a step. So:
+// - one row (decode) streams the weights once, sequentially: the machine's read bandwidth is the limit;
+// - many rows (prefill, big batches) reuse each panel from L2 across a block of rows: compute-bound;
+// - an output's value does not depend on how many rows share the call or where its row falls (batch
+//   invariance): a request gets the same logits alone, in any batch, and when recomputed after
+//   preemption.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMACCEL_LINEAR_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;     // output columns a panel
+constexpr int64_t kRowTile = 6;    // activation rows a micro-kernel call
+constexpr int64_t kRowBlock = 128;  // activation rows a pass: up to 128 (decode batches), weights are read once
+constexpr int64_t kDepth = 256;     // inputs a pass: the rows' slice (128 KiB) stays in L2 across the panels
+
+// Accumulators are named variables, not arrays: GCC keeps arrays of __m256 on the stack, storing
+// them every step (measured: 2.5x slower).
+#ifdef LLMACCEL_LINEAR_AVX2
+inline void load_row(const float* y, __m256& lo, __m256& hi, int64_t cols) {
+  alignas(32) float in[kPanel] = {};
+  std::memcpy(in, y, cols * sizeof(float));
+  lo = _mm256_load_ps(in);
+  hi = _mm256_load_ps(in + 8);
+}
+
+inline void store_row(float* y, __m256 lo, __m256 hi, int64_t cols) {
+  if (cols == kPanel) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+    return;
+  }
+  alignas(32) float out[kPanel];
+  _mm256_store_ps(out, lo);
+  _mm256_store_ps(out + 8, hi);
+  std::memcpy(y, out, cols * sizeof(float));
+}
+#endif
+
+// y[r, 0:cols] = x[r, :] . panel for R rows (cols < 16 only in the last, padded panel); `resume` goes
+// on from the sums already in y (stored exactly, so the summation order is unchanged).
+template <int R>
+void tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols, bool resume) {
+#ifdef LLMACCEL_LINEAR_AVX2
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
+         l5 = l0, h5 = l0;
+  if (resume) {
+#define LLMACCEL_LOAD(r) \
+  if constexpr (R > r) load_row(y + r * ldy, l##r, h##r, cols);
+    LLMACCEL_LOAD(0) LLMACCEL_LOAD(1) LLMACCEL_LOAD(2) LLMACCEL_LOAD(3) LLMACCEL_LOAD(4) LLMACCEL_LOAD(5)
+#undef LLMACCEL_LOAD
+  }
+#define LLMACCEL_ROW(r)                                         \
+  if constexpr (R > r) {                                        \
+    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + j);       \
+    l##r = _mm256_fmadd_ps(xv, w0, l##r);                       \
+    h##r = _mm256_fmadd_ps(xv, w1, h##r);                       \
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const __m256 w0 = _mm256_loadu_ps(panel + j * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + j * kPanel + 8);
+    LLMACCEL_ROW(0) LLMACCEL_ROW(1) LLMACCEL_ROW(2) LLMACCEL_ROW(3) LLMACCEL_ROW(4) LLMACCEL_ROW(5)
+  }
+#undef LLMACCEL_ROW
+  const __m256 lo[6] = {l0, l1, l2, l3, l4, l5}, hi[6] = {h0, h1, h2, h3, h4, h5};
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, lo[r], hi[r], cols);
+#else
+  float acc[R][kPanel] = {};
+  if (resume)
+    for (int r = 0; r < R; ++r) std::memcpy(acc[r], y + r * ldy, cols * sizeof(float));
+  for (int64_t j = 0; j < k; ++j)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += x[r * ldx + j] * panel[j * kPanel + c];
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
+#endif
+}
+
+void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols,
+               bool resume) {
+  switch (rows) {
+    case 1: return tile<1>(x, ldx, k, panel, y, ldy, cols, resume);
+    case 2: return tile<2>(x, ldx, k, panel, y, ldy, cols, resume);
+    case 3: return tile<3>(x, ldx, k, panel, y, ldy, cols, resume);
+    case 4: return tile<4>(x, ldx, k, panel, y, ldy, cols, resume);
+    case 5: return tile<5>(x, ldx, k, panel, y, ldy, cols, resume);
+    default: return tile<6>(x, ldx, k, panel, y, ldy, cols, resume);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32 (other dtypes are converted), panels float32 [ceil(N / 16), K, 16] -> [M, N].
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == torch::kFloat32 &&
+                  panels.is_contiguous(),
+              "panels must be contiguous float32 [N / 16, K, 16]");
+  const int64_t num_panels = panels.size(0), k = panels.size(1);
+  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "n = ", n, " does not fit ", num_panels,
+              " panels");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t m = xf.size(0);
+  auto y = torch::empty({m, n}, xf.options());
+  const float *xp = xf.data_ptr<float>(), *pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (num_panels + threads - 1) / threads);
+  // A few rows stream each panel whole; more go through the inputs a slice at a time.
+  const int64_t depth = m <= kRowTile ? k : kDepth;
+  at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const int64_t r1 = std::min(m, r0 + kRowBlock);
+      for (int64_t k0 = 0; k0 < k; k0 += depth) {
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t cols = std::min(kPanel, n - p * kPanel);
+          const float* panel = pp + (p * k + k0) * kPanel;
+          for (int64_t i = r0; i < r1; i += kRowTile)
+            tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
+                      yp + i * n + p * kPanel, n, cols, k0 > 0);
+        }
+      }
+    }
+  });
+  return y;
+}

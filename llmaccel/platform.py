@@ -75,3 +75,8 @@ def describe() -> dict[str, object]:
     return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "features": [f for f in FEATURES if f in flags], "torch": torch.__version__,
             "gpu": gpu}
+
+
+def machine_record() -> dict[str, object]:
+    """`describe()` plus the read bandwidth measured now: what every benchmark result file records."""
+    return {**describe(), "read_bandwidth_gbps": round(read_bandwidth_gbps(), 1)}

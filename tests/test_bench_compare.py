@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import matplotlib.image
 import numpy as np
@@ -81,3 +82,28 @@ def test_plot_names_a_bad_result_file(tmp_path, capsys):
     assert main(["bench", "plot", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
     assert "missing.json: cannot read a result file" in err and "other.json: not a bench serve result" in err
+
+
+def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_path, capsys):
+    """A peer given as a command is started by compare itself (here llmaccel's own server stands in for
+    llama.cpp / vLLM), measured with the same requests, stopped; the file records machine and commands."""
+    out = tmp_path / "peers.json"
+    peer = f"{sys.executable} -m llmaccel.cli serve --model {llama_dir} --num-kv-blocks 64"
+    assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "4", "--concurrency", "2",
+                 "--output-len", "6", "--single-output-len", "10", "--single-repeat", "1", "--no-progress",
+                 "--skip-baseline", "--skip-llmaccel", "--variant", "tiny-int8=--quantization int8 --num-kv-blocks 64",
+                 "--peer-command", f"stand-in={peer}", "--result-json", str(out)]) == 0
+    assert "| | tiny-int8 | stand-in |" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert [s["label"] for s in record["systems"]] == ["tiny-int8", "stand-in"]
+    assert record["commands"]["stand-in"][-2:] == ["--num-kv-blocks", "64"]
+    assert record["machine"]["cpu"] and record["machine"]["read_bandwidth_gbps"] > 0
+    for s in record["systems"]:
+        assert s["single"]["total_output_tokens"] == 10 and s["concurrent"]["total_output_tokens"] == 24
+        assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20
+
+
+def test_compare_names_a_malformed_peer(llama_dir, capsys):
+    assert main(["bench", "compare", "--model", str(llama_dir), "--skip-baseline", "--skip-llmaccel",
+                 "--peer-command", "no label here"]) == 2
+    assert "'no label here': write LABEL=..." in capsys.readouterr().err

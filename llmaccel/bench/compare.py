@@ -4,7 +4,10 @@ It starts the HF transformers baseline server (one request at a time) and then l
 the same model, one after the other so neither competes for the cores, and measures on each:
 (a) a lone request of 300 generated tokens, repeated (mean end-to-end latency), and (b) a burst of
 prompts at concurrency 64 (requests per second). Peak memory is the server process's peak RSS
-(VmHWM). `--peer label=URL` adds servers that are already running (vLLM, llama.cpp, ...).
+(VmHWM). `--variant LABEL=FLAGS` adds llmaccel configurations (int8, int4, a dtype);
+`--peer-command LABEL=COMMAND` adds peer servers (vLLM, llama.cpp) that compare starts itself, in turn,
+each alone on the machine (tools/peers.sh has each peer's best settings); `--peer LABEL=URL` adds
+servers that are already running.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,6 +29,7 @@ import httpx
 from llmaccel.bench import datasets
 from llmaccel.bench.serve import add_arguments as add_serve_arguments
 from llmaccel.bench.serve import run_benchmark, tokenizer_for
+from llmaccel.platform import machine_record
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -38,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-repeat", type=int, default=3, help="how often the lone request runs (mean taken)")
     parser.add_argument("--peer", action="append", default=[], metavar="LABEL=URL",
                         help="also measure a server that is already running (repeatable)")
+    parser.add_argument("--peer-command", action="append", default=[], metavar="LABEL=COMMAND",
+                        help="start this server command (compare appends --port N), wait for its /health, measure "
+                             "it, stop it; one at a time (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="also measure `llmaccel serve FLAGS` as LABEL, e.g. 'llmaccel-int8=--quantization "
+                             "int8' (repeatable)")
+    parser.add_argument("--skip-llmaccel", action="store_true",
+                        help="do not start llmaccel's default configuration (variants still run)")
     parser.add_argument("--peer-extra-body", type=json.loads, default=None, metavar="JSON",
                         help='fields added to requests sent to --peer servers, e.g. \'{"logit_bias": {"2": -100}}\' '
                              "where a peer ignores ignore_eos")
@@ -91,7 +104,15 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def _labelled(value: str) -> tuple[str, str]:
+    label, sep, rest = value.partition("=")
+    if not sep or not label:
+        raise ValueError(f"{value!r}: write LABEL=...")
+    return label, rest
+
+
 def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None) -> dict:
+    began = time.monotonic()
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)  # bench serve's own defaults, so both commands measure alike
     bench = parser.parse_args(["--base-url", url, "--label", label, "--ignore-eos", "--timeout", "3600"])
@@ -105,7 +126,7 @@ def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_bo
     burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
     loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
                                        progress=progress))
-    return {"label": label, "single": single, "concurrent": loaded}
+    return {"label": label, "single": single, "concurrent": loaded, "measure_seconds": time.monotonic() - began}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,27 +136,33 @@ def run(args: argparse.Namespace) -> int:
     servers = [] if args.skip_baseline else [("hf-baseline", [sys.executable, "-m", "llmaccel.cli", "bench",
                                                                "hf-server", "--model", args.model])]
     # no result cache: repeated prompts across rates would be answered without the engine
-    servers.append(("llmaccel", [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model,
-                                 "--no-result-cache", *args.serve_args.split()]))
+    serve = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model, "--no-result-cache"]
+    if not args.skip_llmaccel:
+        servers.append(("llmaccel", [*serve, *args.serve_args.split()]))
+    servers += [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
+    servers += [(label, shlex.split(command)) for label, command in map(_labelled, args.peer_command)]
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
+        started = time.monotonic()
         proc = start_server(command, port, logs / f"{label}.log")
         try:
-            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer)
+            extra = args.peer_extra_body if any(label == _labelled(p)[0] for p in args.peer_command) else None
+            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra)
+            figures["start_seconds"] = round(time.monotonic() - started - figures.pop("measure_seconds"), 1)
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
         finally:
             stop_server(proc)
         systems.append(figures)
     for peer in args.peer:
-        label, sep, url = peer.partition("=")
-        if not sep:
-            raise ValueError(f"--peer {peer!r}: write LABEL=URL")
+        label, url = _labelled(peer)
         systems.append({**_measure(url, label, args, tokenizer, args.peer_extra_body), "peak_rss_bytes": None})
     print(format_table(systems, args))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"model": args.model, "systems": systems}, indent=1))
+        record = {"model": args.model, "machine": machine_record(), "systems": systems,
+                  "commands": {label: command for label, command in servers}}
+        args.result_json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.result_json}", file=sys.stderr)
     return 0
 
@@ -145,6 +172,7 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     rows = [
         (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
          lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
+        ("output tokens/s, 1 request", lambda s: s["single"]["output_throughput"], "higher"),
         ("peak memory of the server process (GiB)",
          lambda s: s["peak_rss_bytes"] / 2**30 if s["peak_rss_bytes"] else None, "lower"),
         (f"QPS at concurrency {args.concurrency} ({args.num_prompts} x {args.output_len} tokens)",
@@ -153,6 +181,7 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
          "higher"),
         (f"median TTFT at concurrency {args.concurrency} (s)", lambda s: s["concurrent"]["median_ttft_ms"] / 1000,
          "lower"),
+        ("seconds from start to serving", lambda s: s.get("start_seconds"), "lower"),
         ("failed requests", lambda s: s["single"]["failed"] + s["concurrent"]["failed"], None),
     ]
     ours = next((s for s in systems if s["label"] == "llmaccel"), None)

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from llmaccel.platform import describe, read_bandwidth_gbps
+from llmaccel.platform import machine_record
 
 SYSTEMS = ("hf-sequential", "hf-static-batch", "llmaccel")
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"{system} failed (exit {proc.returncode})")
             runs[system].append(json.loads(lines[-1][len("RESULT "):]))
     results = [_median_run(runs[system]) for system in systems]
-    machine = {**describe(), "read_bandwidth_gbps": round(read_bandwidth_gbps(), 1)}
+    machine = machine_record()
     _print_table(results, args)
     _print_ceiling(results, machine)
     if args.result_json:

@@ -88,71 +88,118 @@ inline __m256i dot_u4_i8(const uint8_t* packed, __m256i x) {
 }
 #endif
 
-// INT8 weights; `scale` holds one float per row (grouped == false) or one per 32 inputs.
-void i8_rows(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
-             int64_t n, int64_t k, int64_t n0, int64_t n1) {
-  const int64_t nb = k / kBlock;
-  for (int64_t r = n0; r < n1; ++r) {
-    const int8_t* wr = w + r * k;
-    const float* sr = grouped ? scale + r * nb : scale + r;
-    for (int64_t i = 0; i < m; ++i) {
-      const int8_t* xq = a.q.data() + i * k;
-      const float* d = a.d.data() + i * nb;
-      float sum = 0.0f;
+// With four or more activation rows both weight formats go four weight rows a pass: four independent
+// accumulation chains (1.2-1.5x one row a pass at 64 rows, measured); with fewer, one weight row a
+// pass streams better (up to 2x faster at one row). An output's sum runs in the same order either way,
+// so results do not depend on the grouping, nor therefore on the batch.
 #ifdef LLMACCEL_AVX2
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-        const float s = grouped ? d[b] * sr[b] : d[b];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(dot_i8_i8(wv, xv)), acc);
-      }
-      sum = hsum(acc);
+#define LLMACCEL_FOUR(step) step(0) step(1) step(2) step(3)
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// INT8 weights, rows r .. r + R - 1; `scale` holds one float per row (grouped == false) or one per 32 inputs.
+template <int R>
+void i8_pass(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
+             int64_t n, int64_t k, int64_t r) {
+  const int64_t nb = k / kBlock;
+  for (int64_t i = 0; i < m; ++i) {
+    const int8_t* xq = a.q.data() + i * k;
+    const float* d = a.d.data() + i * nb;
+    float sums[R];
+#ifdef LLMACCEL_AVX2
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i xv = load32(xq + b * kBlock);
+#define LLMACCEL_I8_ROW(j)                                                                           \
+  if constexpr (R > j) {                                                                             \
+    const float s = grouped ? d[b] * scale[(r + j) * nb + b] : d[b];                                 \
+    const __m256i dot = dot_i8_i8(load32(w + (r + j) * k + b * kBlock), xv);                         \
+    c##j = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(dot), c##j);                        \
+  }
+      LLMACCEL_FOUR(LLMACCEL_I8_ROW)
+#undef LLMACCEL_I8_ROW
+    }
+    const __m256 c[4] = {c0, c1, c2, c3};
+    for (int j = 0; j < R; ++j) sums[j] = hsum(c[j]);
 #else
+    for (int j = 0; j < R; ++j) {
+      const int8_t* wr = w + (r + j) * k;
+      sums[j] = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
-        for (int64_t j = 0; j < kBlock; ++j) dot += int32_t(wr[b * kBlock + j]) * int32_t(xq[b * kBlock + j]);
-        sum += (grouped ? d[b] * sr[b] : d[b]) * static_cast<float>(dot);
+        for (int64_t e = 0; e < kBlock; ++e) dot += int32_t(wr[b * kBlock + e]) * int32_t(xq[b * kBlock + e]);
+        sums[j] += (grouped ? d[b] * scale[(r + j) * nb + b] : d[b]) * static_cast<float>(dot);
       }
-#endif
-      y[i * n + r] = grouped ? sum : sum * sr[0];
     }
+#endif
+    for (int j = 0; j < R; ++j) y[i * n + r + j] = grouped ? sums[j] : sums[j] * scale[r + j];
   }
 }
 
-// INT4 weights: w = q * scale + offset per 32-wide group, q in 0..15, scale and offset float16.
+void i8_rows(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
+             int64_t n, int64_t k, int64_t n0, int64_t n1) {
+  int64_t r = n0;
+  for (; m >= 4 && r + 4 <= n1; r += 4) i8_pass<4>(a, w, scale, grouped, y, m, n, k, r);
+  for (; r < n1; ++r) i8_pass<1>(a, w, scale, grouped, y, m, n, k, r);
+}
+
+// INT4 weights, rows r .. r + R - 1: w = q * scale + offset per 32-wide group, q in 0..15; `s` and `o`
+// hold the rows' scales and offsets as floats, [R, K / 32].
+template <int R>
+void i4_pass(const QuantizedRows& a, const uint8_t* packed, const float* s, const float* o, float* y, int64_t m,
+             int64_t n, int64_t k, int64_t r) {
+  const int64_t nb = k / kBlock;
+  for (int64_t i = 0; i < m; ++i) {
+    const int8_t* xq = a.q.data() + i * k;
+    const float* d = a.d.data() + i * nb;
+    const float* dsum = a.dsum.data() + i * nb;
+    float sums[R];
+    for (int j = 0; j < R; ++j) sums[j] = 0.0f;
+#ifdef LLMACCEL_AVX2
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i xv = load32(xq + b * kBlock);
+#define LLMACCEL_I4_ROW(j)                                                                             \
+  if constexpr (R > j) {                                                                               \
+    const __m256i dot = dot_u4_i8(packed + (r + j) * (k / 2) + b * 16, xv);                            \
+    c##j = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * s[j * nb + b]), _mm256_cvtepi32_ps(dot), c##j);       \
+    sums[j] += o[j * nb + b] * dsum[b];                                                                \
+  }
+      LLMACCEL_FOUR(LLMACCEL_I4_ROW)
+#undef LLMACCEL_I4_ROW
+    }
+    const __m256 c[4] = {c0, c1, c2, c3};
+    for (int j = 0; j < R; ++j) sums[j] += hsum(c[j]);
+#else
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* wr = packed + (r + j) * (k / 2);
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t e = 0; e < 16; ++e) {
+          dot += int32_t(wr[b * 16 + e] & 0x0F) * int32_t(xq[b * kBlock + e]);
+          dot += int32_t(wr[b * 16 + e] >> 4) * int32_t(xq[b * kBlock + e + 16]);
+        }
+        sums[j] += d[b] * s[j * nb + b] * static_cast<float>(dot) + o[j * nb + b] * dsum[b];
+      }
+    }
+#endif
+    for (int j = 0; j < R; ++j) y[i * n + r + j] = sums[j];
+  }
+}
+
 void i4_rows(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
              float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
   const int64_t nb = k / kBlock;
-  std::vector<float> s(nb), o(nb);
-  for (int64_t r = n0; r < n1; ++r) {
-    const uint8_t* wr = packed + r * (k / 2);
-    for (int64_t b = 0; b < nb; ++b) s[b] = half_to_float(scale[r * nb + b]), o[b] = half_to_float(offset[r * nb + b]);
-    for (int64_t i = 0; i < m; ++i) {
-      const int8_t* xq = a.q.data() + i * k;
-      const float* d = a.d.data() + i * nb;
-      const float* dsum = a.dsum.data() + i * nb;
-      float sum = 0.0f;
-#ifdef LLMACCEL_AVX2
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * s[b]), _mm256_cvtepi32_ps(dot_u4_i8(wr + b * 16, xv)), acc);
-        sum += o[b] * dsum[b];
-      }
-      sum += hsum(acc);
-#else
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 16; ++j) {
-          dot += int32_t(wr[b * 16 + j] & 0x0F) * int32_t(xq[b * kBlock + j]);
-          dot += int32_t(wr[b * 16 + j] >> 4) * int32_t(xq[b * kBlock + j + 16]);
-        }
-        sum += d[b] * s[b] * static_cast<float>(dot) + o[b] * dsum[b];
-      }
-#endif
-      y[i * n + r] = sum;
-    }
+  std::vector<float> s(4 * nb), o(4 * nb);
+  for (int64_t r = n0; r < n1;) {
+    const int64_t rows = m >= 4 && r + 4 <= n1 ? 4 : 1;
+    for (int64_t e = 0; e < rows * nb; ++e)
+      s[e] = half_to_float(scale[r * nb + e]), o[e] = half_to_float(offset[r * nb + e]);
+    if (rows == 4)
+      i4_pass<4>(a, packed, s.data(), o.data(), y, m, n, k, r);
+    else
+      i4_pass<1>(a, packed, s.data(), o.data(), y, m, n, k, r);
+    r += rows;
   }
 }
 

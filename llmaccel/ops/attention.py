@@ -88,6 +88,7 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         kernels = load_cpu_kernels() if device.type == "cpu" and use_kernel is not False else None
         self._decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        self._write_kv = getattr(kernels, "write_kv", None)
 
     @property
     def uses_kernel(self) -> bool:
@@ -97,14 +98,17 @@ class PagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]; `window`: the layer's sliding
         window, if it has one. Returns [T, H, D]."""
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if self._write_kv is not None and k.stride(2) == 1 and v.stride(2) == 1:
+            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         parts = []
         num_decode = meta.num_decode_tokens
         if num_decode:
             q_decode = q[:num_decode]
             if self._decode_kernel is not None:
-                parts.append(self._decode_kernel(q_decode.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                parts.append(self._decode_kernel(q_decode, k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_context_lens, meta.block_size, window or 0,
                                                  self.scale))
             else:

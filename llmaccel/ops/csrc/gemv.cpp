@@ -187,14 +187,24 @@ void i4_pass(const QuantizedRows& a, const uint8_t* packed, const float* s, cons
   }
 }
 
+// float16 -> float32, eight at a time (one at a time was a third of the INT4 kernel's work at one row).
+void halves_to_floats(const uint16_t* src, float* dst, int64_t count) {
+  int64_t e = 0;
+#ifdef LLMACCEL_AVX2
+  for (; e + 8 <= count; e += 8)
+    _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
+#endif
+  for (; e < count; ++e) dst[e] = half_to_float(src[e]);
+}
+
 void i4_rows(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
              float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
   const int64_t nb = k / kBlock;
   std::vector<float> s(4 * nb), o(4 * nb);
   for (int64_t r = n0; r < n1;) {
     const int64_t rows = m >= 4 && r + 4 <= n1 ? 4 : 1;
-    for (int64_t e = 0; e < rows * nb; ++e)
-      s[e] = half_to_float(scale[r * nb + e]), o[e] = half_to_float(offset[r * nb + e]);
+    halves_to_floats(scale + r * nb, s.data(), rows * nb);
+    halves_to_floats(offset + r * nb, o.data(), rows * nb);
     if (rows == 4)
       i4_pass<4>(a, packed, s.data(), o.data(), y, m, n, k, r);
     else

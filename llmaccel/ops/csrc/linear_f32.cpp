@@ -124,13 +124,20 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
   at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t r1 = std::min(m, r0 + kRowBlock);
-      for (int64_t k0 = 0; k0 < k; k0 += depth) {
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t cols = std::min(kPanel, n - p * kPanel);
-          const float* panel = pp + (p * k + k0) * kPanel;
-          for (int64_t i = r0; i < r1; i += kRowTile)
-            tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
-                      yp + i * n + p * kPanel, n, cols, k0 > 0);
+      // Panels a chunk: the chunk's outputs for these rows (<= 256 KiB) stay in L2 while the input
+      // slices pass (a wide layer such as the LM head otherwise streams its outputs through memory
+      // once a slice).
+      const int64_t chunk = std::max<int64_t>(1, (256 << 10) / ((r1 - r0) * kPanel * 4));
+      for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
+        const int64_t c1 = std::min(p1, c0 + chunk);
+        for (int64_t k0 = 0; k0 < k; k0 += depth) {
+          for (int64_t p = c0; p < c1; ++p) {
+            const int64_t cols = std::min(kPanel, n - p * kPanel);
+            const float* panel = pp + (p * k + k0) * kPanel;
+            for (int64_t i = r0; i < r1; i += kRowTile)
+              tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
+                        yp + i * n + p * kPanel, n, cols, k0 > 0);
+          }
         }
       }
     }

@@ -9,15 +9,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 // Blocks lie anywhere in the pool and the hardware prefetcher stops at page edges, so while row j
 // of a block is read, row j of the sequence's next block is requested (measured: ~20% faster).
-template <typename scalar_t>
-static inline void prefetch_row(const scalar_t* block, int64_t row, int64_t row_bytes) {
-  const char* p = reinterpret_cast<const char*>(block) + row * row_bytes;
-  for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+static inline void prefetch_bytes(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
 }
 
 template <typename scalar_t>
@@ -28,7 +28,7 @@ static inline float dot(const float* a, const scalar_t* b, int64_t n) {
 }
 
 // Calls visit(row, t - first) for the rows of tokens first..len-1 of one sequence, block by block,
-// prefetching row j of the next block while row j of this one is visited.
+// prefetching (`row_bytes` of) row j of the next block while row j of this one is visited.
 template <typename scalar_t, typename Visit>
 static inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
                                 int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t row_bytes,
@@ -38,42 +38,46 @@ static inline void for_each_row(const scalar_t* cache, const int32_t* table, int
     const scalar_t* next = t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_elems : nullptr;
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
-      if (next) prefetch_row(next, j, row_bytes);
+      if (next) prefetch_bytes(next + j * row_stride, row_bytes);
       visit(block + j * row_stride, t0 + j - first);
     }
   }
 }
 
 template <typename scalar_t>
-static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block_elems = block_size * row_stride;
   int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max<int64_t>(max_len, context_lens[s]);
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    // Per sequence: pass 1 scores every key for every head, reading each block's rows in order
-    // (contiguous memory); then softmax per head; pass 2 sums the weighted values the same way.
-    // Separate branch-free loops let the compiler vectorise each one.
-    std::vector<float> acc(num_heads * head_dim), qf(num_heads * head_dim), scores(num_heads * max_len);
-    std::vector<float> inv_sum(num_heads);
-    for (int64_t seq = begin; seq < end; ++seq) {
+  // One work item is a (sequence, KV head) pair: its `group` query heads share every key and value they
+  // read, and a lone sequence still spreads over the threads (one item a sequence left one core idle).
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per item: pass 1 scores every key for the group's heads, reading the blocks' rows in order; then
+    // softmax per head; pass 2 sums the weighted values the same way. Separate branch-free loops let
+    // the compiler vectorise each one.
+    std::vector<float> acc(group * head_dim), qf(group * head_dim), scores(group * max_len);
+    std::vector<float> inv_sum(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t context_len = context_lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
       const int64_t len = context_len - first;  // keys this query sees: the last `window` ones, or all
       const int32_t* table = block_tables + seq * max_blocks;
-      const scalar_t* q_seq = q + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
-      for_each_row(k_cache, table, first, context_len, block_size, block_elems, row_stride, row_bytes,
+      const scalar_t* q_group = q + seq * q_stride + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
+      const scalar_t* k_head = k_cache + kvh * head_dim;
+      for_each_row(k_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
                    [&](const scalar_t* row, int64_t t) {
-                     for (int64_t h = 0; h < num_heads; ++h)
-                       scores[h * len + t] = dot(qf.data() + h * head_dim, row + (h / group) * head_dim, head_dim);
+                     for (int64_t h = 0; h < group; ++h)
+                       scores[h * len + t] = dot(qf.data() + h * head_dim, row, head_dim);
                    });
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * len;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
@@ -85,42 +89,72 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
         inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_row(v_cache, table, first, context_len, block_size, block_elems, row_stride, row_bytes,
-                   [&](const scalar_t* row, int64_t t) {
-                     for (int64_t h = 0; h < num_heads; ++h) {
-                       const scalar_t* v_row = row + (h / group) * head_dim;
+      const scalar_t* v_head = v_cache + kvh * head_dim;
+      for_each_row(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                   [&](const scalar_t* v_row, int64_t t) {
+                     for (int64_t h = 0; h < group; ++h) {
                        const float w = scores[h * len + t];
                        float* acc_h = acc.data() + h * head_dim;
                        for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
                      }
                    });
-      scalar_t* out_seq = out + seq * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h)
+      scalar_t* out_group = out + (seq * num_heads + kvh * group) * head_dim;
+      for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          out_seq[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
+          out_group[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
     }
   });
 }
 
-// q: [S, H, D]; k_cache, v_cache: [num_slots, KVH, D] with slot = block * block_size + offset;
-// block_tables: [S, max_blocks] int32; context_lens: [S] int32 (keys in each table). With window > 0
-// (a sliding-window layer) each query sees only the last `window` of its keys.
+// q: [S, H, D] (rows may be strided: a view of the fused qkv projection); k_cache, v_cache: [num_slots,
+// KVH, D] with slot = block * block_size + offset; block_tables: [S, max_blocks] int32; context_lens: [S]
+// int32 (keys in each table). With window > 0 (a sliding-window layer) each query sees only the last
+// `window` of its keys. Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
               "block_tables and context_lens must be int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                            q.size(0), q.size(1), k_cache.size(1), q.size(2), block_size, tables.size(1), window,
-                            static_cast<float>(scale));
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                            out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(1), q.size(2), block_size,
+                            tables.size(1), window, static_cast<float>(scale));
   });
   return out;
+}
+
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every new token t (k, v: [T, KVH, D], rows
+// may be strided views of the fused qkv projection): the two index_copy_ calls of the torch path in one.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, KVH, D] alike");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "each key and value row must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) ==
+              k.size(1) * k.size(2), "caches must be contiguous [num_slots, KVH, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "new keys and values must have the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be contiguous int64 [T]");
+  const int64_t tokens = k.size(0), num_slots = k_cache.size(0);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t)  // all checked before any is written
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV pool of ", num_slots);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * k.stride(0) * k.element_size(), row_bytes);
+    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * v.stride(0) * v.element_size(), row_bytes);
+  }
 }

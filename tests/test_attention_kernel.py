@@ -73,3 +73,35 @@ def test_bfloat16_runs_on_both_attention_paths(llama_dir, use_kernel):
     out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 20
     assert out[0].outputs[0].token_ids[:3] == float32[0].outputs[0].token_ids  # rounding differs, not meaning
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_fused_decode_attention_is_rope_write_and_attend(window):
+    """The decode step's one-call attention equals its parts: torch RoPE, index_copy_ into the pool, the
+    reference attention over the block tables."""
+    from llmaccel.model.layers import RotaryEmbedding
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: the engine takes the unfused path")
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block_size = 6, 2, 16, 4
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None, torch.float32)
+    lens = torch.tensor([1, 9, 23], dtype=torch.int32)
+    tables = torch.tensor([[5, 0, 0, 0, 0, 0], [1, 7, 2, 0, 0, 0], [3, 4, 6, 8, 9, 10]], dtype=torch.int32)
+    positions = (lens - 1).long()
+    slots = torch.stack([tables[i, p // block_size].long() * block_size + p % block_size
+                         for i, p in enumerate(positions.tolist())])
+    k_cache, v_cache = torch.randn(12 * block_size, kv_heads, dim), torch.randn(12 * block_size, kv_heads, dim)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qk = rotary(positions, qkv[:, : (heads + kv_heads) * dim].view(3, -1, dim))
+    want_k.index_copy_(0, slots, qk[:, heads:])
+    want_v.index_copy_(0, slots, qkv[:, (heads + kv_heads) * dim:].view(3, kv_heads, dim))
+    want = reference_decode_attention(qk[:, :heads].contiguous(), want_k, want_v, tables, lens, block_size,
+                                      dim**-0.5, window)
+    got = kernels.fused_decode_attention(qkv, heads, kv_heads, dim, positions, rotary.cos, rotary.sin, k_cache,
+                                         v_cache, slots, tables, lens, block_size, window or 0, dim**-0.5)
+    torch.testing.assert_close(got, want.reshape(3, heads * dim), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(v_cache, want_v)

@@ -41,9 +41,12 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_norm.add_forward(hidden, residual)
         qkv = self.qkv(hidden)
-        q, k = rotary.rotate(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
+        attn = attention.fused_decode(qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1], meta,
+                                      self.window)
+        if attn is None:
+            q, k = rotary.rotate(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
         hidden, residual = self.post_norm.add_forward(self.o(attn.reshape(num_tokens, self.q_size)), residual)
         return self.mlp(hidden), residual
 

@@ -89,10 +89,25 @@ class PagedAttention:
         kernels = load_cpu_kernels() if device.type == "cpu" and use_kernel is not False else None
         self._decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         self._write_kv = getattr(kernels, "write_kv", None)
+        self._fused_decode = getattr(kernels, "fused_decode_attention", None)
 
     @property
     def uses_kernel(self) -> bool:
         return self._decode_kernel is not None
+
+    def fused_decode(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     window: int | None = None) -> torch.Tensor | None:
+        """A decode-only step's whole attention in one C++ call: RoPE on the fused projection qkv
+        [T, (H + 2 KVH) D] in place (cos, sin: the rotary tables), the new K/V into the pool, paged
+        attention; returns [T, H D]. None where it does not apply (a prefill in the step, no kernels):
+        then the caller rotates and calls `forward`."""
+        if (self._fused_decode is None or meta.prefills or not qkv.is_contiguous() or cos.dtype != qkv.dtype
+                or meta.num_decode_tokens != qkv.shape[0]):
+            return None
+        return self._fused_decode(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
+                                  k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+                                  meta.decode_context_lens, meta.block_size, window or 0, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:

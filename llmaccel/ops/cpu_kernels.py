@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,20 @@ def _put_ninja_on_path() -> None:
     bin_dir = getattr(ninja, "BIN_DIR", None)
     if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def checked_kernels(required: str, self_check: Callable[[ModuleType], str | None],
+                    what: str) -> ModuleType | None:
+    """The kernel module if it has `required` and passes `self_check` (which names what failed, or
+    returns None), else None, the failure logged."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not hasattr(kernels, required):
+        return None
+    failed = self_check(kernels)
+    if failed:
+        logger.warning("%s %s failed its check against the reference; not used", what, failed)
+        return None
+    return kernels
 
 
 def load_cpu_kernels() -> ModuleType | None:

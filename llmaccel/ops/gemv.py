@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.cpu_kernels import checked_kernels, load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 BLOCK = 32  # activation block and INT4 group width of the kernels
@@ -74,13 +74,7 @@ def _self_check(kernels: ModuleType) -> str | None:
 def gemv_kernels() -> ModuleType | None:
     """The checked C++ kernels, or None where they cannot be used (the reason is logged once)."""
     kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "linear_f32"):
-        return None
-    if not kernels.gemv_vectorized():
+    if kernels is not None and hasattr(kernels, "gemv_vectorized") and not kernels.gemv_vectorized():
         logger.info("weight-streaming kernels built without AVX2; using oneDNN / torch's kernels")
         return None
-    failed = _self_check(kernels)
-    if failed:
-        logger.warning("weight-streaming kernel %s failed its check against the reference; not used", failed)
-        return None
-    return kernels
+    return checked_kernels("linear_f32", _self_check, "weight-streaming kernel")

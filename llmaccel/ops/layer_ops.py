@@ -10,15 +10,12 @@ against the torch references below (HF transformers' Llama formulas), the refere
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from llmaccel.ops.cpu_kernels import load_cpu_kernels
-
-logger = logging.getLogger(__name__)
+from llmaccel.ops.cpu_kernels import checked_kernels
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,19 +76,13 @@ def _self_check(kernels: ModuleType) -> str | None:
 @functools.cache
 def layer_kernels() -> ModuleType | None:
     """The checked C++ layer kernels, or None (the reason logged once)."""
-    kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "rms_norm"):
-        return None
-    failed = _self_check(kernels)
-    if failed:
-        logger.warning("layer kernel %s failed its check against the torch reference; not used", failed)
-        return None
-    return kernels
+    return checked_kernels("rms_norm", _self_check, "layer kernel")
 
 
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The C++ kernels if they serve this tensor (a CPU tensor in float32 or bfloat16)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    """The C++ kernels if they serve this tensor: rows [T, hidden] (each row contiguous) on the CPU in
+    float32 or bfloat16."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
         return None
     return layer_kernels()
 

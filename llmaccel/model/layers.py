@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.cpu_linear import pack_panels, pack_weight, packed_linear, panel_linear, panel_rows
+from llmaccel.ops.cpu_linear import bf16_linear, pack_panels, pack_weight, packed_linear, panel_linear, panel_rows
 from llmaccel.ops.layer_ops import kernels_for, rms_norm_reference, rope_reference, silu_mul
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
@@ -108,8 +108,9 @@ class Embedding(nn.Module):
 class Linear(nn.Module):
     """y = x W^T (+ b), holding one copy of the weight. Float32 on the CPU: llmaccel's panel layout
     and kernel at every row count, or (no AVX2 build) oneDNN's pre-packed layout (ops/cpu_linear.py);
-    otherwise the plain weight and F.linear. The quantization issue swaps this module for
-    packed-integer variants. `rows(ids)` looks rows up (a tied embedding table) where the layout allows."""
+    otherwise the plain weight and F.linear (bfloat16 on the CPU: llmaccel's streaming kernel at a few
+    rows). The quantization issue swaps this module for packed-integer variants. `rows(ids)` looks rows
+    up (a tied embedding table) where the layout allows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -144,6 +145,8 @@ class Linear(nn.Module):
             return panel_linear(x, self.panels, self.out_features, self.bias).to(x.dtype)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
+            return bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from llmaccel.model.decode_stack import build_decode_stack
 from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
@@ -115,10 +116,16 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
                                       dtype).to(device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
+        # decode-only steps in one C++ call where the weights allow (model/decode_stack.py); None: layer by layer
+        self.decode_stack = build_decode_stack(self) if device.type == "cpu" and use_kernel is not False else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.decode_stack is not None:
+            normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
+            if normed is not None:
+                return normed
         hidden, residual = self.embedding.rows(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)

@@ -19,7 +19,9 @@ from llmaccel.config import default_cache_dir
 from llmaccel.platform import cpu_features
 
 logger = logging.getLogger(__name__)
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))  # part of the cache key, not compiled on their own
 _BUILD_FLAGS_VERSION = b"openmp"  # part of the cache key: a flag change rebuilds
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -68,7 +70,7 @@ def load_cpu_kernels() -> ModuleType | None:
         import torch
         from torch.utils.cpp_extension import load
 
-        source = b"".join(path.read_bytes() for path in _SOURCES)
+        source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
         key = source + _BUILD_FLAGS_VERSION + _cpu_signature().encode() + torch.__version__.encode()
         digest = hashlib.sha256(key).hexdigest()[:16]
         build_dir = default_cache_dir() / "kernels" / digest

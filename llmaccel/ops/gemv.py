@@ -56,6 +56,9 @@ def _self_check(kernels: ModuleType) -> str | None:
         w = torch.randn(n, k, generator=gen)
         if _relative_error(kernels.linear_f32(x, to_panels(w), n), x @ w.t()) > 1e-5:
             return "linear_f32"
+        wb = w.bfloat16()
+        if _relative_error(kernels.gemv_bf16(x, wb), x @ wb.float().t()) > 1e-5:
+            return "gemv_bf16"
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen)):
             full = scale[:, None] if scale.dim() == 1 else scale.repeat_interleave(BLOCK, dim=1)

@@ -19,6 +19,10 @@ torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      int64_t window, double scale);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+namespace llmaccel {
+void bind_decode_stack(pybind11::module& m);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -27,8 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots");
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");
   m.def("linear_f32", &linear_f32, "x @ w.T, float32 weights in panels of 16 columns, any row count");
+  m.def("gemv_bf16", &gemv_bf16, "x @ w.T for few rows, bfloat16 weights in their plain layout, float32 sums");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given");
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows");
+  llmaccel::bind_decode_stack(m);
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");
 }

@@ -18,14 +18,15 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LLMACCEL_AVX2 1
 #endif
 
+namespace llmaccel {
 namespace {
-
-constexpr int64_t kBlock = 32;  // inputs per activation block (and per INT4 group)
 
 inline float half_to_float(uint16_t h) {
 #ifdef LLMACCEL_AVX2
@@ -35,16 +36,13 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// Activation rows quantized to INT8 in blocks of 32: q = round(x / d) with d = max|x| / 127.
-struct QuantizedRows {
-  std::vector<int8_t> q;    // [M, K]
-  std::vector<float> d;     // [M, K / 32]
-  std::vector<float> dsum;  // [M, K / 32]: d * sum(q) of each block (what an INT4 offset multiplies)
-};
+}  // namespace
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
   const int64_t nb = k / kBlock;
-  QuantizedRows out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  out.q.resize(m * k);
+  out.d.resize(m * nb);
+  out.dsum.resize(m * nb);
   for (int64_t i = 0; i < m * nb; ++i) {
     const float* src = x + i * kBlock;
     int8_t* dst = out.q.data() + i * kBlock;
@@ -61,8 +59,9 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
     out.d[i] = d;
     out.dsum[i] = d * static_cast<float>(sum);
   }
-  return out;
 }
+
+namespace {
 
 #ifdef LLMACCEL_AVX2
 inline float hsum(__m256 v) {
@@ -100,7 +99,7 @@ inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_c
 // INT8 weights, rows r .. r + R - 1; `scale` holds one float per row (grouped == false) or one per 32 inputs.
 template <int R>
 void i8_pass(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
-             int64_t n, int64_t k, int64_t r) {
+             int64_t ldy, int64_t k, int64_t r) {
   const int64_t nb = k / kBlock;
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* xq = a.q.data() + i * k;
@@ -132,22 +131,15 @@ void i8_pass(const QuantizedRows& a, const int8_t* w, const float* scale, bool g
       }
     }
 #endif
-    for (int j = 0; j < R; ++j) y[i * n + r + j] = grouped ? sums[j] : sums[j] * scale[r + j];
+    for (int j = 0; j < R; ++j) y[i * ldy + r + j] = grouped ? sums[j] : sums[j] * scale[r + j];
   }
-}
-
-void i8_rows(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
-             int64_t n, int64_t k, int64_t n0, int64_t n1) {
-  int64_t r = n0;
-  for (; m >= 4 && r + 4 <= n1; r += 4) i8_pass<4>(a, w, scale, grouped, y, m, n, k, r);
-  for (; r < n1; ++r) i8_pass<1>(a, w, scale, grouped, y, m, n, k, r);
 }
 
 // INT4 weights, rows r .. r + R - 1: w = q * scale + offset per 32-wide group, q in 0..15; `s` and `o`
 // hold the rows' scales and offsets as floats, [R, K / 32].
 template <int R>
 void i4_pass(const QuantizedRows& a, const uint8_t* packed, const float* s, const float* o, float* y, int64_t m,
-             int64_t n, int64_t k, int64_t r) {
+             int64_t ldy, int64_t k, int64_t r) {
   const int64_t nb = k / kBlock;
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* xq = a.q.data() + i * k;
@@ -183,7 +175,7 @@ void i4_pass(const QuantizedRows& a, const uint8_t* packed, const float* s, cons
       }
     }
 #endif
-    for (int j = 0; j < R; ++j) y[i * n + r + j] = sums[j];
+    for (int j = 0; j < R; ++j) y[i * ldy + r + j] = sums[j];
   }
 }
 
@@ -197,21 +189,34 @@ void halves_to_floats(const uint16_t* src, float* dst, int64_t count) {
   for (; e < count; ++e) dst[e] = half_to_float(src[e]);
 }
 
-void i4_rows(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
-             float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1) {
+}  // namespace
+
+LLMACCEL_ONE_COPY void i8_columns(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t ldy,
+                int64_t m, int64_t k, int64_t n0, int64_t n1) {
+  int64_t r = n0;
+  for (; m >= 4 && r + 4 <= n1; r += 4) i8_pass<4>(a, w, scale, grouped, y, m, ldy, k, r);
+  for (; r < n1; ++r) i8_pass<1>(a, w, scale, grouped, y, m, ldy, k, r);
+}
+
+LLMACCEL_ONE_COPY void i4_columns(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
+                float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
   const int64_t nb = k / kBlock;
-  std::vector<float> s(4 * nb), o(4 * nb);
+  thread_local std::vector<float> s, o;  // this thread's rows' scales and offsets, as floats
+  s.resize(4 * nb);
+  o.resize(4 * nb);
   for (int64_t r = n0; r < n1;) {
     const int64_t rows = m >= 4 && r + 4 <= n1 ? 4 : 1;
     halves_to_floats(scale + r * nb, s.data(), rows * nb);
     halves_to_floats(offset + r * nb, o.data(), rows * nb);
     if (rows == 4)
-      i4_pass<4>(a, packed, s.data(), o.data(), y, m, n, k, r);
+      i4_pass<4>(a, packed, s.data(), o.data(), y, m, ldy, k, r);
     else
-      i4_pass<1>(a, packed, s.data(), o.data(), y, m, n, k, r);
+      i4_pass<1>(a, packed, s.data(), o.data(), y, m, ldy, k, r);
     r += rows;
   }
 }
+
+namespace {
 
 // Splits the weight rows between ATen's threads in runs of `grain` (a multiple of four).
 template <typename Fn>
@@ -228,6 +233,9 @@ torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
 }
 
 }  // namespace
+}  // namespace llmaccel
+
+using namespace llmaccel;
 
 // w int8 [N, K]; scale float32 [N] (per row) or [N, K / 32] (per 32 inputs). K a multiple of 32.
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
@@ -240,12 +248,13 @@ torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
               "scale must be [N] or [N, K / 32]");
   auto xf = as_float_rows(x, k);
   const int64_t m = xf.size(0);
-  const QuantizedRows a = quantize_rows(xf.data_ptr<float>(), m, k);
+  QuantizedRows a;
+  quantize_rows(xf.data_ptr<float>(), m, k, a);
   auto y = torch::empty({m, n}, xf.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_rows(n, [&](int64_t n0, int64_t n1) { i8_rows(a, wp, sp, grouped, yp, m, n, k, n0, n1); });
+  over_rows(n, [&](int64_t n0, int64_t n1) { i8_columns(a, wp, sp, grouped, yp, n, m, k, n0, n1); });
   return y;
 }
 
@@ -261,13 +270,14 @@ torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
                 "scale and offset must be contiguous float16 [N, K / 32]");
   auto xf = as_float_rows(x, k);
   const int64_t m = xf.size(0);
-  const QuantizedRows a = quantize_rows(xf.data_ptr<float>(), m, k);
+  QuantizedRows a;
+  quantize_rows(xf.data_ptr<float>(), m, k, a);
   auto y = torch::empty({m, n}, xf.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  over_rows(n, [&](int64_t n0, int64_t n1) { i4_rows(a, wp, sp, op, yp, m, n, k, n0, n1); });
+  over_rows(n, [&](int64_t n0, int64_t n1) { i4_columns(a, wp, sp, op, yp, n, m, k, n0, n1); });
   return y;
 }
 

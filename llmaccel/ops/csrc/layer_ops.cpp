@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
+
+namespace llmaccel {
 namespace {
 
 inline float to_float(float v) { return v; }
@@ -25,66 +28,67 @@ void over_rows(int64_t rows, int64_t row_cost, Fn fn) {
 }
 
 template <typename T>
+LLMACCEL_ONE_COPY void norm_row(const T* xr, T* res, const T* weight, T* dst, int64_t h, float eps) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < h; ++j) {
+    float v = to_float(xr[j]);
+    if (res != nullptr) {  // residual += x, rounded to the activation dtype as the unfused add would be
+      const T stored = static_cast<T>(to_float(res[j]) + v);
+      res[j] = stored;
+      v = to_float(stored);
+    }
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
+  const T* src = res != nullptr ? res : xr;
+  for (int64_t j = 0; j < h; ++j)
+    dst[j] = static_cast<T>(to_float(weight[j]) * to_float(static_cast<T>(to_float(src[j]) * inv)));
+}
+
+template <typename T>
+LLMACCEL_ONE_COPY void rope_row(T* row, int64_t heads, int64_t d, const T* c, const T* s) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    T* v = row + hd * d;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = to_float(v[j]), b = to_float(v[j + half]);
+      // x * cos + rotate_half(x) * sin, each product rounded to T as torch's ops round it
+      const T lo = static_cast<T>(static_cast<T>(a * to_float(c[j])) + static_cast<T>(-b * to_float(s[j])));
+      const T hi = static_cast<T>(static_cast<T>(b * to_float(c[j + half])) + static_cast<T>(a * to_float(s[j + half])));
+      v[j] = lo, v[j + half] = hi;
+    }
+  }
+}
+
+template <typename T>
+LLMACCEL_ONE_COPY void silu_row(const T* g, const T* u, T* o, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) {
+    const float gv = to_float(g[j]);
+    o[j] = static_cast<T>(to_float(static_cast<T>(gv / (1.0f + std::exp(-gv)))) * to_float(u[j]));
+  }
+}
+
+template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t h, float eps,
                    int64_t ld_x) {
   over_rows(rows, h, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * ld_x;
-      T* res = residual == nullptr ? nullptr : residual + r * h;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < h; ++j) {
-        float v = to_float(xr[j]);
-        if (res != nullptr) {  // residual += x, rounded to the activation dtype as the unfused add would be
-          const T stored = static_cast<T>(to_float(res[j]) + v);
-          res[j] = stored;
-          v = to_float(stored);
-        }
-        sum += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
-      const T* src = res != nullptr ? res : xr;
-      T* dst = out + r * h;
-      for (int64_t j = 0; j < h; ++j)
-        dst[j] = static_cast<T>(to_float(weight[j]) * to_float(static_cast<T>(to_float(src[j]) * inv)));
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      norm_row(x + r * ld_x, residual == nullptr ? nullptr : residual + r * h, weight, out + r * h, h, eps);
   });
 }
 
 template <typename T>
 void rope_rows(T* qk, int64_t ld_token, int64_t heads, int64_t d, const int64_t* positions, const T* cos,
                const T* sin, int64_t tokens) {
-  const int64_t half = d / 2;
   over_rows(tokens, heads * d, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* c = cos + positions[t] * d;
-      const T* s = sin + positions[t] * d;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* v = qk + t * ld_token + hd * d;
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = to_float(v[j]), b = to_float(v[j + half]);
-          // x * cos + rotate_half(x) * sin, each product rounded to T as torch's ops round it
-          const T lo = static_cast<T>(static_cast<T>(a * to_float(c[j])) + static_cast<T>(-b * to_float(s[j])));
-          const T hi = static_cast<T>(static_cast<T>(b * to_float(c[j + half])) +
-                                      static_cast<T>(a * to_float(s[j + half])));
-          v[j] = lo, v[j + half] = hi;
-        }
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) rope_row(qk + t * ld_token, heads, d, cos + positions[t] * d, sin + positions[t] * d);
   });
 }
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   over_rows(rows, inter, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gate_up + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gv = to_float(g[j]);
-        o[j] = static_cast<T>(to_float(static_cast<T>(gv / (1.0f + std::exp(-gv)))) * to_float(u[j]));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, inter);
   });
 }
 
@@ -95,6 +99,30 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+void rms_norm_row(const float* x, float* residual, const float* weight, float* out, int64_t h, float eps) {
+  norm_row(x, residual, weight, out, h, eps);
+}
+
+void rope_heads(float* v, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
+  rope_row(v, heads, head_dim, cos, sin);
+}
+
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t count) { silu_row(gate, up, out, count); }
+
+void rms_norm_row(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int64_t h, float eps) {
+  norm_row(x, residual, weight, out, h, eps);
+}
+
+void rope_heads(bf16* v, int64_t heads, int64_t head_dim, const bf16* cos, const bf16* sin) {
+  rope_row(v, heads, head_dim, cos, sin);
+}
+
+void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count) { silu_row(gate, up, out, count); }
+
+}  // namespace llmaccel
+
+using namespace llmaccel;
 
 // RMSNorm of x's rows; with a residual, first residual += x (in place) and normalize the sum.
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {

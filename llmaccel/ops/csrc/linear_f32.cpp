@@ -16,14 +16,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMACCEL_LINEAR_AVX2 1
 #endif
 
+namespace llmaccel {
 namespace {
 
-constexpr int64_t kPanel = 16;     // output columns a panel
 constexpr int64_t kRowTile = 6;    // activation rows a micro-kernel call
 constexpr int64_t kRowBlock = 128;  // activation rows a pass: up to 128 (decode batches), weights are read once
 constexpr int64_t kDepth = 256;     // inputs a pass: the rows' slice (128 KiB) stays in L2 across the panels
@@ -103,6 +105,35 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t k, const float
 
 }  // namespace
 
+LLMACCEL_ONE_COPY void f32_panels(const float* xp, int64_t m, int64_t k, const float* pp, int64_t n, float* yp, int64_t ldy,
+                int64_t p0, int64_t p1) {
+  // A few rows stream each panel whole; more go through the inputs a slice at a time.
+  const int64_t depth = m <= kRowTile ? k : kDepth;
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t r1 = std::min(m, r0 + kRowBlock);
+    // Panels a chunk: the chunk's outputs for these rows (<= 256 KiB) stay in L2 while the input
+    // slices pass (a wide layer such as the LM head otherwise streams its outputs through memory
+    // once a slice).
+    const int64_t chunk = std::max<int64_t>(1, (256 << 10) / ((r1 - r0) * kPanel * 4));
+    for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
+      const int64_t c1 = std::min(p1, c0 + chunk);
+      for (int64_t k0 = 0; k0 < k; k0 += depth) {
+        for (int64_t p = c0; p < c1; ++p) {
+          const int64_t cols = std::min(kPanel, n - p * kPanel);
+          const float* panel = pp + (p * k + k0) * kPanel;
+          for (int64_t i = r0; i < r1; i += kRowTile)
+            tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
+                      yp + i * ldy + p * kPanel, ldy, cols, k0 > 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace llmaccel
+
+using namespace llmaccel;
+
 // x [M, K] float32 (other dtypes are converted), panels float32 [ceil(N / 16), K, 16] -> [M, N].
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == torch::kFloat32 &&
@@ -119,28 +150,6 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (num_panels + threads - 1) / threads);
-  // A few rows stream each panel whole; more go through the inputs a slice at a time.
-  const int64_t depth = m <= kRowTile ? k : kDepth;
-  at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      const int64_t r1 = std::min(m, r0 + kRowBlock);
-      // Panels a chunk: the chunk's outputs for these rows (<= 256 KiB) stay in L2 while the input
-      // slices pass (a wide layer such as the LM head otherwise streams its outputs through memory
-      // once a slice).
-      const int64_t chunk = std::max<int64_t>(1, (256 << 10) / ((r1 - r0) * kPanel * 4));
-      for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
-        const int64_t c1 = std::min(p1, c0 + chunk);
-        for (int64_t k0 = 0; k0 < k; k0 += depth) {
-          for (int64_t p = c0; p < c1; ++p) {
-            const int64_t cols = std::min(kPanel, n - p * kPanel);
-            const float* panel = pp + (p * k + k0) * kPanel;
-            for (int64_t i = r0; i < r1; i += kRowTile)
-              tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
-                        yp + i * n + p * kPanel, n, cols, k0 > 0);
-          }
-        }
-      }
-    }
-  });
+  at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) { f32_panels(xp, m, k, pp, n, yp, n, p0, p1); });
   return y;
 }

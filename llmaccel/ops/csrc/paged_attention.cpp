@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 // Blocks lie anywhere in the pool and the hardware prefetcher stops at page edges, so while row j
 // of a block is read, row j of the sequence's next block is requested (measured: ~20% faster).
 static inline void prefetch_bytes(const void* start, int64_t bytes) {
@@ -44,64 +46,83 @@ static inline void for_each_row(const scalar_t* cache, const int32_t* table, int
   }
 }
 
+// One (sequence, KV head) item: its `group` query heads share every key and value they read. Pass 1
+// scores every key for the group's heads, reading the blocks' rows in order; then softmax per head;
+// pass 2 sums the weighted values the same way. Separate branch-free loops let the compiler vectorise
+// each one.
+template <typename scalar_t>
+static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                   int64_t context_len, int64_t window, int64_t kvh, int64_t group, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, scalar_t* out_group,
+                   llmaccel::AttentionScratch& scratch) {
+  const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
+  const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t block_elems = block_size * row_stride;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  const int64_t len = context_len - first;  // keys this query sees: the last `window` ones, or all
+  scratch.qf.resize(group * head_dim);
+  scratch.acc.assign(group * head_dim, 0.0f);
+  scratch.inv_sum.resize(group);
+  if (static_cast<int64_t>(scratch.scores.size()) < group * len) scratch.scores.resize(group * len);
+  float *qf = scratch.qf.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
+  for_each_row(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+               [&](const scalar_t* row, int64_t t) {
+                 for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * head_dim, row, head_dim);
+               });
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    float total = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      total += s[t];
+    }
+    scratch.inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
+  }
+  for_each_row(v_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+               [&](const scalar_t* v_row, int64_t t) {
+                 for (int64_t h = 0; h < group; ++h) {
+                   const float w = scores[h * len + t];
+                   float* acc_h = acc + h * head_dim;
+                   for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
+                 }
+               });
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t d = 0; d < head_dim; ++d)
+      out_group[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * scratch.inv_sum[h]);
+}
+
+void llmaccel::attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
+                           int64_t len, int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch) {
+  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, out,
+         scratch);
+}
+
+void llmaccel::attend_item(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* table,
+                           int64_t len, int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, bf16* out, AttentionScratch& scratch) {
+  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, out,
+         scratch);
+}
+
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
-  const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t block_elems = block_size * row_stride;
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max<int64_t>(max_len, context_lens[s]);
-  // One work item is a (sequence, KV head) pair: its `group` query heads share every key and value they
-  // read, and a lone sequence still spreads over the threads (one item a sequence left one core idle).
+  // One work item is a (sequence, KV head) pair, so a lone sequence still spreads over the threads
+  // (one item a sequence left one core idle).
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per item: pass 1 scores every key for the group's heads, reading the blocks' rows in order; then
-    // softmax per head; pass 2 sums the weighted values the same way. Separate branch-free loops let
-    // the compiler vectorise each one.
-    std::vector<float> acc(group * head_dim), qf(group * head_dim), scores(group * max_len);
-    std::vector<float> inv_sum(group);
+    llmaccel::AttentionScratch scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t context_len = context_lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-      const int64_t len = context_len - first;  // keys this query sees: the last `window` ones, or all
-      const int32_t* table = block_tables + seq * max_blocks;
-      const scalar_t* q_group = q + seq * q_stride + kvh * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
-      const scalar_t* k_head = k_cache + kvh * head_dim;
-      for_each_row(k_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                   [&](const scalar_t* row, int64_t t) {
-                     for (int64_t h = 0; h < group; ++h)
-                       scores[h * len + t] = dot(qf.data() + h * head_dim, row, head_dim);
-                   });
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-        float total = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          total += s[t];
-        }
-        inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const scalar_t* v_head = v_cache + kvh * head_dim;
-      for_each_row(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                   [&](const scalar_t* v_row, int64_t t) {
-                     for (int64_t h = 0; h < group; ++h) {
-                       const float w = scores[h * len + t];
-                       float* acc_h = acc.data() + h * head_dim;
-                       for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += w * static_cast<float>(v_row[d]);
-                     }
-                   });
-      scalar_t* out_group = out + (seq * num_heads + kvh * group) * head_dim;
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out_group[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
+      attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
+             context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale,
+             out + (seq * num_heads + kvh * group) * head_dim, scratch);
     }
   });
 }

@@ -1,0 +1,359 @@
+// A decode step of a Llama-family decoder stack in one call: every layer's norms, projections, RoPE,
+// KV write, paged attention and gated MLP, from the embedding rows to the final norm.
+//
+// At one row a layer of the default model moves 3.5 MB (INT8) to 14 MB (float32) of weights, 60-700 us
+// of memory traffic; the Python around the kernels (module calls, views, a dozen dispatches and thread
+// wake-ups a layer at 4-40 us each) cost 6-7 ms a token, a quarter of a float32 token and half of an
+// INT8 one. Here the whole step runs inside one parallel region: each phase splits its work between
+// the threads (output columns of a projection, rows of a norm, (sequence, KV head) items of attention)
+// and a barrier ends it, so a token costs its weight traffic plus ~7 barriers a layer.
+//
+// The arithmetic is the kernels' own (kernels.h) in the order the layer-by-layer path runs it, so the
+// two give bit-identical hidden states (tested). Only decode-only steps with float32 activations come
+// here; prefill and mixed steps take the layer-by-layer path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace llmaccel {
+
+// A projection's weights in one of the kernels' layouts.
+struct StackLinear {
+  enum Kind { kF32Panels, kBf16, kInt8, kInt4 } kind;
+  torch::Tensor weight, scale, offset, bias;  // scale/offset: INT8 float32 scales, INT4 float16 pairs
+  int64_t n = 0, k = 0;
+
+  bool quantized() const { return kind == kInt8 || kind == kInt4; }
+
+  // Output columns [c0, c1) of x W^T in float32 for m rows (no bias); x's rows quantized in `a` when
+  // the weights are integers. c0 is a multiple of 16, c1 too unless it is n.
+  void columns(const float* x, const QuantizedRows& a, float* y, int64_t ldy, int64_t m, int64_t c0,
+               int64_t c1) const {
+    if (c0 >= c1) return;
+    if (kind == kF32Panels)
+      f32_panels(x, m, k, weight.data_ptr<float>(), n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
+    else if (kind == kBf16)
+      bf16_columns(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
+    else if (kind == kInt8)
+      i8_columns(a, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.dim() == 2, y, ldy, m, k, c0, c1);
+    else
+      i4_columns(a, weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
+                 reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>()), y, ldy, m, k, c0, c1);
+  }
+};
+
+std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor weight,
+                                          c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> offset,
+                                          c10::optional<torch::Tensor> bias, int64_t n) {
+  auto out = std::make_shared<StackLinear>();
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D (integers) or 3-D (panels)");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  out->weight = weight;
+  out->n = n;
+  if (kind == "f32") {
+    TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kPanel && weight.scalar_type() == torch::kFloat32,
+                "f32 weights must be float32 panels [N / 16, K, 16]");
+    TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the panels");
+    out->kind = StackLinear::kF32Panels;
+    out->k = weight.size(1);
+  } else if (kind == "bf16") {
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.size(0) == n,
+                "bf16 weights must be bfloat16 [N, K]");
+    out->kind = StackLinear::kBf16;
+    out->k = weight.size(1);
+  } else if (kind == "int8") {
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kInt8 && weight.size(0) == n,
+                "int8 weights must be int8 [N, K]");
+    out->kind = StackLinear::kInt8;
+    out->k = weight.size(1);
+    TORCH_CHECK(scale && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->size(0) == n &&
+                    (scale->dim() == 1 || (scale->dim() == 2 && scale->size(1) == out->k / kBlock)),
+                "int8 scales must be contiguous float32 [N] or [N, K / 32]");
+    out->scale = *scale;
+  } else if (kind == "int4") {
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.size(0) == n,
+                "int4 weights must be uint8 [N, K / 2]");
+    out->kind = StackLinear::kInt4;
+    out->k = weight.size(1) * 2;
+    for (const auto* t : {&scale, &offset})
+      TORCH_CHECK(*t && (*t)->scalar_type() == torch::kHalf && (*t)->is_contiguous() && (*t)->dim() == 2 &&
+                      (*t)->size(0) == n && (*t)->size(1) == out->k / kBlock,
+                  "int4 scales and offsets must be contiguous float16 [N, K / 32]");
+    out->scale = *scale;
+    out->offset = *offset;
+  } else {
+    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, int8 or int4)");
+  }
+  TORCH_CHECK(!out->quantized() || out->k % kBlock == 0, "K must be a multiple of 32");
+  if (bias) {
+    TORCH_CHECK((bias->scalar_type() == torch::kFloat32 || bias->scalar_type() == torch::kBFloat16) &&
+                    bias->is_contiguous() && bias->numel() == n,
+                "bias must be contiguous float32 or bfloat16 [N]");
+    out->bias = *bias;
+  }
+  return out;
+}
+
+struct StackLayer {
+  std::shared_ptr<StackLinear> qkv, o, gate_up, down;
+  torch::Tensor input_norm, post_norm;
+  int64_t window;  // sliding window, 0 for none
+};
+
+// [begin, end) of `units` for thread `tid` of `threads`, in near-equal runs.
+inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
+  return {units * tid / threads, units * (tid + 1) / threads};
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// One thread's view of a projection's input: its rows as float32 (converted from bfloat16 once a
+// phase) and, for integer weights, quantized.
+template <typename T>
+struct ProjectionInput {
+  std::vector<float> converted;
+  QuantizedRows quantized;
+  const float* rows = nullptr;
+
+  void prepare(const StackLinear& w, const T* x, int64_t m) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows = x;
+    } else {
+      converted.resize(m * w.k);
+      for (int64_t i = 0; i < m * w.k; ++i) converted[i] = static_cast<float>(x[i]);
+      rows = converted.data();
+    }
+    if (w.quantized()) quantize_rows(rows, m, w.k, quantized);
+  }
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+              torch::Tensor final_norm)
+      : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        dtype_(final_norm.scalar_type()), final_norm_(final_norm) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(dtype_ == torch::kFloat32 || dtype_ == torch::kBFloat16, "the stack runs float32 or bfloat16");
+    check_norm(final_norm);
+  }
+
+  void add_layer(std::shared_ptr<StackLinear> qkv, std::shared_ptr<StackLinear> o,
+                 std::shared_ptr<StackLinear> gate_up, std::shared_ptr<StackLinear> down, torch::Tensor input_norm,
+                 torch::Tensor post_norm, int64_t window) {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(qkv->k == hidden_ && qkv->n == q_size + 2 * kv_size, "qkv must map hidden to q, k, v");
+    TORCH_CHECK(o->k == q_size && o->n == hidden_, "o must map the heads to hidden");
+    TORCH_CHECK(gate_up->k == hidden_ && gate_up->n % (2 * kPanel) == 0, "gate_up must map hidden to 2 x I, I % 16 == 0");
+    TORCH_CHECK(down->k == gate_up->n / 2 && down->n == hidden_, "down must map I to hidden");
+    TORCH_CHECK(layers_.empty() || gate_up->n == layers_.front().gate_up->n, "every layer must have one width");
+    for (const auto* w : {&qkv, &o, &gate_up, &down})
+      TORCH_CHECK(!(*w)->bias.defined() || (*w)->bias.scalar_type() == dtype_, "biases must have the stack's dtype");
+    check_norm(input_norm);
+    check_norm(post_norm);
+    layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window});
+  }
+
+  // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
+  // fused_decode_attention, with one K and one V pool per layer. Returns the final norm's output [S, H].
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
+                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size) const {
+    check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+    if (dtype_ == torch::kFloat32)
+      return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+    return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
+                             block_size);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+
+ private:
+  template <typename T>
+  torch::Tensor run(const torch::Tensor& hidden, const torch::Tensor& positions, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
+                    const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
+                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const {
+    const int64_t seqs = hidden.size(0);
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
+    auto opts = hidden.options();
+    auto residual = hidden.contiguous().clone(), normed = torch::empty({seqs, hidden_}, opts);
+    auto pending = torch::empty({seqs, hidden_}, opts);  // what the next norm adds to the residual stream first
+    auto qkv = torch::empty({seqs, qkv_n}, opts), attn = torch::empty({seqs, q_size}, opts);
+    auto gate_up = torch::empty({seqs, 2 * inter}, opts), act = torch::empty({seqs, inter}, opts);
+    // bfloat16 steps: the projections' float32 sums, rounded into the activations column by column
+    torch::Tensor sums = torch::empty({std::is_same_v<T, float> ? 0 : seqs * std::max(qkv_n, 2 * inter)},
+                             opts.dtype(torch::kFloat32));
+    T *res = residual.data_ptr<T>(), *xn = normed.data_ptr<T>(), *add = pending.data_ptr<T>();
+    T *qkv_p = qkv.data_ptr<T>(), *attn_p = attn.data_ptr<T>(), *gu = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>();
+    float* sums_p = sums.data_ptr<float>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const T *cos_p = cos.data_ptr<T>(), *sin_p = sin.data_ptr<T>();
+    const int64_t max_blocks = block_tables.size(1);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    const float eps = static_cast<float>(eps_);
+
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+      ProjectionInput<T> input;
+      AttentionScratch scratch;
+      const int64_t r0 = share(seqs, tid, threads).first, r1 = share(seqs, tid, threads).second;
+      // The first norm has nothing to add (a norm with a zero residual sums in another order: the
+      // compiler vectorises the two cases differently).
+      auto norm_rows = [&](const torch::Tensor& weight, bool first) {
+        for (int64_t r = r0; r < r1; ++r)
+          rms_norm_row(first ? res + r * hidden_ : add + r * hidden_, first ? nullptr : res + r * hidden_,
+                       weight.data_ptr<T>(), xn + r * hidden_, hidden_, eps);
+      };
+      // columns [c0, c1) of y = x W^T + b, rounded to T as the layer-by-layer path rounds them (the
+      // bias added after the product's rounding, as torch adds it)
+      auto columns = [&](const StackLinear& w, T* y, int64_t ldy, int64_t c0, int64_t c1) {
+        if constexpr (std::is_same_v<T, float>) {
+          w.columns(input.rows, input.quantized, y, ldy, seqs, c0, c1);
+        } else {
+          w.columns(input.rows, input.quantized, sums_p, ldy, seqs, c0, c1);
+          for (int64_t i = 0; i < seqs; ++i)
+            for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(sums_p[i * ldy + c]);
+        }
+        if (w.bias.defined()) {
+          const T* b = w.bias.data_ptr<T>();
+          for (int64_t i = 0; i < seqs; ++i)
+            for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(to_float(y[i * ldy + c]) + to_float(b[c]));
+        }
+      };
+      auto project = [&](const StackLinear& w, const T* x, T* y) {
+        input.prepare(w, x, seqs);
+        const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
+        columns(w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
+      };
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const StackLayer& layer = layers_[l];
+        norm_rows(layer.input_norm, l == 0);
+#pragma omp barrier
+        project(*layer.qkv, xn, qkv_p);
+#pragma omp barrier
+        const auto items = share(seqs * kv_heads_, tid, threads);
+        T *k_pool = k_caches[l].data_ptr<T>(), *v_pool = v_caches[l].data_ptr<T>();
+        for (int64_t item = items.first; item < items.second; ++item) {
+          const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
+          T* row = qkv_p + s * qkv_n;
+          T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
+          const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
+          rope_heads(q, group, head_dim_, c, sn);
+          rope_heads(k, 1, head_dim_, c, sn);
+          std::memcpy(k_pool + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
+          std::memcpy(v_pool + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
+          attend_item(q, k_pool, v_pool, tables + s * max_blocks, lens[s], layer.window, kvh, group, kv_heads_,
+                      head_dim_, block_size, scale, attn_p + s * q_size + kvh * group * head_dim_, scratch);
+        }
+#pragma omp barrier
+        project(*layer.o, attn_p, add);
+#pragma omp barrier
+        norm_rows(layer.post_norm, false);
+#pragma omp barrier
+        // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
+        input.prepare(*layer.gate_up, xn, seqs);
+        const auto range = share(inter / kPanel, tid, threads);
+        const int64_t c0 = range.first * kPanel, c1 = range.second * kPanel;
+        columns(*layer.gate_up, gu, 2 * inter, c0, c1);
+        columns(*layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
+        for (int64_t r = 0; r < seqs; ++r)
+          silu_mul_row(gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
+#pragma omp barrier
+        project(*layer.down, act_p, add);
+#pragma omp barrier
+      }
+      norm_rows(final_norm_, false);
+    }
+    return normed;
+  }
+
+  void check_norm(const torch::Tensor& w) const {
+    TORCH_CHECK(w.scalar_type() == dtype_ && w.is_contiguous() && w.numel() == hidden_,
+                "norm weights must be contiguous [hidden], all of one dtype");
+  }
+
+  // Everything the parallel region reads is checked here: nothing in it may throw.
+  void check_step(const torch::Tensor& hidden, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
+                  const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
+                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const {
+    TORCH_CHECK(!layers_.empty(), "the stack has no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.scalar_type() == dtype_,
+                "hidden must be [S, ", hidden_, "] of the stack's dtype");
+    const int64_t seqs = hidden.size(0);
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
+                    static_cast<int64_t>(v_caches.size()) == num_layers(),
+                "one K and one V pool a layer");
+    const int64_t num_slots = k_caches.front().size(0);
+    for (const auto* pools : {&k_caches, &v_caches})
+      for (const auto& pool : *pools)
+        TORCH_CHECK(pool.scalar_type() == dtype_ && pool.is_contiguous() && pool.dim() == 3 &&
+                        pool.size(0) == num_slots && pool.size(1) == kv_heads_ && pool.size(2) == head_dim_,
+                    "KV pools must be contiguous [slots, KVH, D] of the stack's dtype, all alike");
+    for (const auto* t : {&cos, &sin})
+      TORCH_CHECK(t->scalar_type() == dtype_ && t->is_contiguous() && t->dim() == 2 && t->size(1) == head_dim_,
+                  "cos and sin must be contiguous [max_positions, D] of the stack's dtype");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == seqs,
+                "positions must be contiguous int64 [S]");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == seqs,
+                "slots must be contiguous int64 [S]");
+    TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == seqs,
+                "block_tables must be contiguous int32 [S, max_blocks]");
+    TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
+                    context_lens.numel() == seqs,
+                "context_lens must be contiguous int32 [S]");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int64_t num_blocks = num_slots / block_size;
+    for (int64_t s = 0; s < seqs; ++s) {
+      TORCH_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), "position ", pos[s], " is outside the rotary table");
+      TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "slot ", slot[s], " is outside the KV pool of ", num_slots);
+      TORCH_CHECK(lens[s] >= 1 && lens[s] <= block_tables.size(1) * block_size, "context length ", lens[s],
+                  " does not fit the block table");
+      for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+        const int32_t block = tables[s * block_tables.size(1) + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV pool");
+      }
+    }
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_;
+  double eps_;
+  torch::ScalarType dtype_;
+  torch::Tensor final_norm_;
+  std::vector<StackLayer> layers_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear");
+  m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
+        py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("n"));
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}
+
+}  // namespace llmaccel

@@ -1,0 +1,70 @@
+// The kernels' inner loops, shared by their torch entry points (one file each) and the fused decode
+// stack (decode_stack.cpp), which calls them from inside one parallel region: each works on a range
+// (of output columns, rows or attention items) that the caller has given to the calling thread, and
+// none of them starts threads of its own.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+// Under -ffast-math the compiler may vectorise a reduction differently wherever a loop is inlined, so
+// these are never inlined: the torch entry points and the decode stack run one compiled copy of each
+// and agree to the bit.
+#define LLMACCEL_ONE_COPY __attribute__((noipa))
+
+namespace llmaccel {
+
+constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
+constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
+
+// Activation rows quantized to INT8 in blocks of 32: q = round(x / d) with d = max|x| / 127.
+struct QuantizedRows {
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, K / 32]
+  std::vector<float> dsum;  // [M, K / 32]: d * sum(q) of each block (what an INT4 offset multiplies)
+};
+
+// Fills `out` (reusing its storage) with the M x K rows x.
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
+
+// y[i, r] for rows i < m and output columns r in [n0, n1), y's rows `ldy` apart.
+// INT8 weights w [N, K] with one scale per row (grouped == false) or per 32 inputs ([N, K / 32]).
+void i8_columns(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t ldy,
+                int64_t m, int64_t k, int64_t n0, int64_t n1);
+// INT4 weights packed [N, K / 2], float16 scales and offsets [N, K / 32] (bits as uint16).
+void i4_columns(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
+                float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+// Float32 weights in panels [ceil(N / 16), K, 16]: the panels p0 .. p1 - 1, i.e. columns 16 p0 .. <= 16 p1.
+// bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1.
+void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
+                  int64_t n1);
+void f32_panels(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
+                int64_t p0, int64_t p1);
+
+// One row of the step operations, in HF's formulas; float32, or bfloat16 rounded where torch rounds.
+// out = norm(x) * weight; with a residual, first residual += x and normalize the sum.
+void rms_norm_row(const float* x, float* residual, const float* weight, float* out, int64_t h, float eps);
+// Rotate-half RoPE of `heads` heads of `head_dim` lying one after another at v.
+void rope_heads(float* v, int64_t heads, int64_t head_dim, const float* cos, const float* sin);
+// out[j] = silu(gate[j]) * up[j] for j < count.
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t count);
+using bf16 = c10::BFloat16;
+void rms_norm_row(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int64_t h, float eps);
+void rope_heads(bf16* v, int64_t heads, int64_t head_dim, const bf16* cos, const bf16* sin);
+void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
+
+// Decode attention of one (sequence, KV head) item: the `group` query heads at q (contiguous, scaled
+// inside) attend to keys first .. len - 1 of the sequence's block table; writes the group's outputs.
+struct AttentionScratch {
+  std::vector<float> acc, qf, scores, inv_sum;
+};
+void attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
+                 int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, float scale, float* out, AttentionScratch& scratch);
+void attend_item(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
+                 int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, float scale, bf16* out, AttentionScratch& scratch);
+
+}  // namespace llmaccel

@@ -1,0 +1,112 @@
+"""The decode step in one C++ call (model/decode_stack.py) against the layer-by-layer path: the same
+kernels in the same order, so every logit must agree to the bit, for float32, INT8 and INT4 weights,
+q/k/v bias, tied tables, sliding windows and batches of sequences at different lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from llmaccel import LLM
+from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.sampling_params import SamplingParams
+from tests.tiny_models import _common
+
+pytestmark = pytest.mark.skipif(not hasattr(load_cpu_kernels(), "DecodeStack"),
+                                reason="C++ kernels unavailable on this machine")
+
+
+class CountingStack:
+    """Passes calls to the real stack and counts them, so a test knows the stack ran."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def _prompts() -> list[list[int]]:
+    return [[5, 9, 13, 2, 7], list(range(20, 57)), [3] * 11]  # three lengths: tables of 1, 3 and 1 blocks
+
+
+def _run(llm: LLM, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [(lp.logprob, sorted(lp.top.items())) for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _stack_against_layers(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+    model = llm.engine.runner.model
+    assert model.decode_stack is not None, "the stack should serve this model"
+    stack = model.decode_stack
+    counting = stack.stack = CountingStack(stack.stack)
+    with_stack = _run(llm, prompts, tokens)
+    assert counting.calls >= tokens - 1  # every decode-only step
+    model.decode_stack = None
+    assert _run(llm, prompts, tokens) == with_stack  # token ids, logprobs and top-3 alternatives, exact
+    model.decode_stack = stack
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_the_stack_gives_the_layer_paths_logits_to_the_bit(tiny_model_dirs, name, quantization):
+    llm = LLM(str(tiny_model_dirs[name]), dtype="float32", quantization=quantization)
+    _stack_against_layers(llm, _prompts(), tokens=24)
+
+
+def test_the_stack_keeps_to_each_layers_sliding_window(tmp_path, tiny_tokenizer):
+    config = MistralConfig(**_common(tiny_tokenizer), sliding_window=16)
+    torch.manual_seed(7)
+    MistralForCausalLM(config).eval().save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert all(layer.window == 16 for layer in llm.engine.runner.model.layers)
+    _stack_against_layers(llm, _prompts(), tokens=40)  # every sequence decodes far past its window
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bfloat16_steps_of_few_rows_take_the_stack_to_the_bit(tiny_model_dirs, name, quantization):
+    # no prefix cache: the second run must prefill as the first did (oneDNN's bf16 sums depend on the rows)
+    llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
+    stack = llm.engine.runner.model.decode_stack
+    assert stack.dtype == torch.bfloat16 and stack.max_rows == (2 if quantization is None else None)
+    _stack_against_layers(llm, _prompts()[:2], tokens=24)
+
+
+def test_bfloat16_batches_past_the_streaming_rows_go_layer_by_layer(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16")
+    model = llm.engine.runner.model
+    counting = model.decode_stack.stack = CountingStack(model.decode_stack.stack)
+    _run(llm, _prompts(), tokens=8)  # three sequences decode together
+    assert counting.calls == 0
+
+
+def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="float32")
+    model = llm.engine.runner.model
+    spec = model.spec
+    pool = torch.zeros(64, spec.num_kv_heads, spec.head_dim)
+    pools = [pool] * spec.num_layers
+    hidden = torch.zeros(1, spec.hidden_size)
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    position = torch.zeros(1, dtype=torch.long)
+    cos, sin = model.rotary.cos, model.rotary.sin
+
+    def step(positions=position, slots=None, tables=table, k_pools=pools):
+        slots = torch.tensor([0]) if slots is None else slots
+        model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16)
+
+    with pytest.raises(RuntimeError, match="slot 64 is outside the KV pool of 64"):
+        step(slots=torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="position 100000 is outside the rotary table"):
+        step(positions=torch.tensor([100000]))
+    with pytest.raises(RuntimeError, match="block 9 is outside the KV pool"):
+        step(tables=table + 9)
+    with pytest.raises(RuntimeError, match="one K and one V pool a layer"):
+        step(k_pools=pools[:1])
+    step()  # and the same step, well formed, runs

@@ -78,6 +78,13 @@ def test_bfloat16_steps_of_few_rows_take_the_stack_to_the_bit(tiny_model_dirs, n
     _stack_against_layers(llm, _prompts()[:2], tokens=24)
 
 
+def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
+    """The INT8 table's rows come back in float32; the residual stream must still be bfloat16."""
+    llm = LLM(str(tiny_model_dirs["llama-tied"]), dtype="bfloat16", quantization="int8", quantize_embedding=True,
+              enable_prefix_caching=False)
+    _stack_against_layers(llm, _prompts(), tokens=16)
+
+
 def test_bfloat16_batches_past_the_streaming_rows_go_layer_by_layer(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16")
     model = llm.engine.runner.model

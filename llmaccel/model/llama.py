@@ -126,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
             normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
             if normed is not None:
                 return normed
-        hidden, residual = self.embedding.rows(input_ids), None
+        # an INT8 table's rows come back in float32: the stream runs in the model's dtype
+        hidden, residual = self.embedding.rows(input_ids).to(self.norm.weight.dtype), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)
         return self.norm.add_forward(hidden, residual)[0] if residual is not None else self.norm(hidden)

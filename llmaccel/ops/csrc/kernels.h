@@ -58,7 +58,7 @@ void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
 // Decode attention of one (sequence, KV head) item: the `group` query heads at q (contiguous, scaled
 // inside) attend to keys first .. len - 1 of the sequence's block table; writes the group's outputs.
 struct AttentionScratch {
-  std::vector<float> acc, qf, scores, inv_sum;
+  std::vector<float> acc, qf, scores, inv_sum, widened;
 };
 void attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
                  int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,

@@ -97,3 +97,23 @@ def test_shapes_are_checked():
         kernels.linear_f32(torch.randn(1, 64), to_panels(torch.randn(3, 64)), 17)
     with pytest.raises(RuntimeError, match="scale must be"):
         kernels.gemv_i8(torch.randn(1, 64), torch.zeros(3, 64, dtype=torch.int8), torch.ones(4))
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_grouped_int8_layers_stream_and_read_rows(group_size):
+    """GGUF Q8_0 (groups of 32), as a Q4_1 file's tied table is, goes through the streaming kernel; so
+    do groups that are a multiple of 32. Its rows (an embedding lookup) are the dequantized rows."""
+    from llmaccel.ops.quant_linear import Int8Linear
+    from llmaccel.quantization.formats import Int8Weight
+
+    gen = torch.Generator().manual_seed(group_size)
+    n, k = 40, 128
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    weight = Int8Weight(q, torch.rand(n, k // group_size, generator=gen) + 0.01, group_size)
+    layer = Int8Linear(weight, None, torch.device("cpu"))
+    assert layer.streams
+    x = torch.randn(3, k, generator=gen)
+    want = x @ weight.dequantize().t()
+    assert relative_error(layer(x), want) < 2e-2  # INT8 activations
+    ids = torch.tensor([0, 39, 7])
+    assert torch.equal(layer.rows(ids), weight.dequantize()[ids])

@@ -39,7 +39,7 @@ def stack_linear(kernels, module: nn.Module):
     if (isinstance(module, Linear) and module.weight is not None and module.weight.dtype == torch.bfloat16
             and module.weight.device.type == "cpu"):
         return kernels.stack_linear("bf16", module.weight, None, None, bias, module.out_features)
-    if isinstance(module, Int8Linear) and module.group_size is None and module._gemv is not None:
+    if isinstance(module, Int8Linear) and module.streams:
         return kernels.stack_linear("int8", module.q, module.scale, None, bias, module.out_features)
     if isinstance(module, Int4Linear) and module._gemv is not None:
         return kernels.stack_linear("int4", module.packed, module.scale16, module.offset16, bias, module.out_features)

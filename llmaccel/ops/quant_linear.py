@@ -100,10 +100,16 @@ class Int8Linear(nn.Module):
         self.scale = weight.scale.to(device)
         streams = device.type == "cpu" and use_kernel is not False and self.in_features % BLOCK == 0
         self._gemv = gemv_kernels() if streams else None
+        # llmaccel's kernel reads a scale per row or per 32 inputs (GGUF Q8_0's groups: the tied table
+        # of a Q4_1 file is one); torch's takes one per row, so other groups go a kernel call each
+        self.streams = self._gemv is not None and (self.group_size is None or self.group_size % BLOCK == 0)
         if self.group_size is None:
             self.q = weight.q.to(device)
             self.scale_bf16 = self.scale.bfloat16()
             self.scale = self.scale.float().contiguous()
+        elif self.streams:  # [N, K] and a float32 scale per 32 inputs
+            self.q = weight.q.to(device).contiguous()
+            self.scale = self.scale.float().repeat_interleave(self.group_size // BLOCK, dim=1).contiguous()
         else:  # [K / G, N, G]: each group's columns contiguous, one kernel call per group
             n, k, g = self.out_features, self.in_features, self.group_size
             self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
@@ -118,11 +124,14 @@ class Int8Linear(nn.Module):
         """Dequantized float32 rows `ids` of the weight: an embedding lookup."""
         if self.group_size is None:
             return self.q[ids].float() * self.scale[ids, None]
+        if self.streams:
+            rows = self.q[ids].float().view(len(ids), -1, BLOCK) * self.scale[ids][..., None]
+            return rows.view(len(ids), self.in_features)
         q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]
         return q.permute(1, 0, 2).reshape(len(ids), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group_size is None and self._gemv is not None:
+        if self.streams:
             out = self._gemv.gemv_i8(x, self.q, self.scale).to(x.dtype)
         elif self.group_size is not None:
             out = self._grouped(x)

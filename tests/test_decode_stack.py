@@ -85,12 +85,11 @@ def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
     _stack_against_layers(llm, _prompts(), tokens=16)
 
 
-def test_bfloat16_batches_past_the_streaming_rows_go_layer_by_layer(tiny_model_dirs):
-    llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16")
-    model = llm.engine.runner.model
-    counting = model.decode_stack.stack = CountingStack(model.decode_stack.stack)
-    _run(llm, _prompts(), tokens=8)  # three sequences decode together
-    assert counting.calls == 0
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+def test_bfloat16_batches_past_the_streaming_rows_call_onednn_between_the_phases_to_the_bit(tiny_model_dirs, name):
+    llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", enable_prefix_caching=False)
+    assert llm.engine.runner.model.decode_stack.max_rows == 2
+    _stack_against_layers(llm, _prompts(), tokens=24)  # three sequences decode together
 
 
 def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs):
@@ -106,7 +105,7 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
 
     def step(positions=position, slots=None, tables=table, k_pools=pools):
         slots = torch.tensor([0]) if slots is None else slots
-        model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16)
+        model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16, True)
 
     with pytest.raises(RuntimeError, match="slot 64 is outside the KV pool of 64"):
         step(slots=torch.tensor([64]))

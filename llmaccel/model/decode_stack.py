@@ -47,9 +47,10 @@ def stack_linear(kernels, module: nn.Module):
 
 
 class DecodeStack:
-    """The C++ stack holding a model's layers (`stack`), and the steps it takes: decode-only ones, in the
-    model's dtype, of at most `max_rows` sequences where a bfloat16 weight is streamed (above that
-    oneDNN's GEMM is faster: ops/cpu_linear.BF16_STREAM_ROWS)."""
+    """The C++ stack holding a model's layers (`stack`); it takes decode-only steps in the model's dtype.
+    Up to `max_rows` sequences (None: any number) every projection runs inside the stack's one parallel
+    region; past it, bfloat16 projections are oneDNN GEMMs between the stack's parallel phases (oneDNN
+    is faster there than streaming: ops/cpu_linear.BF16_STREAM_ROWS)."""
 
     def __init__(self, stack, dtype: torch.dtype, max_rows: int | None) -> None:
         self.stack, self.dtype, self.max_rows = stack, dtype, max_rows
@@ -58,13 +59,13 @@ class DecodeStack:
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The final norm's output for a decode-only step, or None where the step is not one it takes."""
         rows = input_ids.shape[0]
-        if (meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype
-                or (self.max_rows is not None and rows > self.max_rows)):
+        if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype:
             return None
         hidden = model.embedding.rows(input_ids).to(self.dtype)
+        fused = self.max_rows is None or rows <= self.max_rows
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size)
+                                  meta.decode_context_lens, meta.block_size, fused)
 
 
 def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:

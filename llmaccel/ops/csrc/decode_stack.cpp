@@ -165,26 +165,32 @@ class DecodeStack {
   }
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
-  // fused_decode_attention, with one K and one V pool per layer. Returns the final norm's output [S, H].
+  // fused_decode_attention, with one K and one V pool per layer. `fused`: see run(). Returns the
+  // final norm's output [S, H].
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
-                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size) const {
+                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, bool fused) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
     if (dtype_ == torch::kFloat32)
-      return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+      return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
+                        fused);
     return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
-                             block_size);
+                             block_size, fused);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
 
  private:
+  // `fused`: every phase in one parallel region, the projections by llmaccel's kernels. Otherwise
+  // (a bfloat16 batch past the streaming kernel's few rows) each bfloat16 projection is one oneDNN
+  // GEMM (at::linear, as the layer-by-layer path calls it) between the parallel phases.
   template <typename T>
   torch::Tensor run(const torch::Tensor& hidden, const torch::Tensor& positions, const torch::Tensor& cos,
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
                     const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
-                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const {
+                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
+                    bool fused) const {
     const int64_t seqs = hidden.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
     const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
@@ -195,7 +201,7 @@ class DecodeStack {
     auto gate_up = torch::empty({seqs, 2 * inter}, opts), act = torch::empty({seqs, inter}, opts);
     // bfloat16 steps: the projections' float32 sums, rounded into the activations column by column
     torch::Tensor sums = torch::empty({std::is_same_v<T, float> ? 0 : seqs * std::max(qkv_n, 2 * inter)},
-                             opts.dtype(torch::kFloat32));
+                                      opts.dtype(torch::kFloat32));
     T *res = residual.data_ptr<T>(), *xn = normed.data_ptr<T>(), *add = pending.data_ptr<T>();
     T *qkv_p = qkv.data_ptr<T>(), *attn_p = attn.data_ptr<T>(), *gu = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>();
     float* sums_p = sums.data_ptr<float>();
@@ -208,80 +214,130 @@ class DecodeStack {
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const float eps = static_cast<float>(eps_);
 
-#pragma omp parallel num_threads(at::get_num_threads())
-    {
-      const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
-      ProjectionInput<T> input;
-      AttentionScratch scratch;
-      const int64_t r0 = share(seqs, tid, threads).first, r1 = share(seqs, tid, threads).second;
-      // The first norm has nothing to add (a norm with a zero residual sums in another order: the
-      // compiler vectorises the two cases differently).
-      auto norm_rows = [&](const torch::Tensor& weight, bool first) {
-        for (int64_t r = r0; r < r1; ++r)
-          rms_norm_row(first ? res + r * hidden_ : add + r * hidden_, first ? nullptr : res + r * hidden_,
-                       weight.data_ptr<T>(), xn + r * hidden_, hidden_, eps);
-      };
-      // columns [c0, c1) of y = x W^T + b, rounded to T as the layer-by-layer path rounds them (the
-      // bias added after the product's rounding, as torch adds it)
-      auto columns = [&](const StackLinear& w, T* y, int64_t ldy, int64_t c0, int64_t c1) {
-        if constexpr (std::is_same_v<T, float>) {
-          w.columns(input.rows, input.quantized, y, ldy, seqs, c0, c1);
-        } else {
-          w.columns(input.rows, input.quantized, sums_p, ldy, seqs, c0, c1);
-          for (int64_t i = 0; i < seqs; ++i)
-            for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(sums_p[i * ldy + c]);
-        }
-        if (w.bias.defined()) {
-          const T* b = w.bias.data_ptr<T>();
-          for (int64_t i = 0; i < seqs; ++i)
-            for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(to_float(y[i * ldy + c]) + to_float(b[c]));
-        }
-      };
-      auto project = [&](const StackLinear& w, const T* x, T* y) {
-        input.prepare(w, x, seqs);
-        const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
-        columns(w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
-      };
-      for (size_t l = 0; l < layers_.size(); ++l) {
-        const StackLayer& layer = layers_[l];
-        norm_rows(layer.input_norm, l == 0);
-#pragma omp barrier
-        project(*layer.qkv, xn, qkv_p);
-#pragma omp barrier
-        const auto items = share(seqs * kv_heads_, tid, threads);
-        T *k_pool = k_caches[l].data_ptr<T>(), *v_pool = v_caches[l].data_ptr<T>();
-        for (int64_t item = items.first; item < items.second; ++item) {
-          const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
-          T* row = qkv_p + s * qkv_n;
-          T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
-          const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
-          rope_heads(q, group, head_dim_, c, sn);
-          rope_heads(k, 1, head_dim_, c, sn);
-          std::memcpy(k_pool + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
-          std::memcpy(v_pool + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
-          attend_item(q, k_pool, v_pool, tables + s * max_blocks, lens[s], layer.window, kvh, group, kv_heads_,
-                      head_dim_, block_size, scale, attn_p + s * q_size + kvh * group * head_dim_, scratch);
-        }
-#pragma omp barrier
-        project(*layer.o, attn_p, add);
-#pragma omp barrier
-        norm_rows(layer.post_norm, false);
-#pragma omp barrier
-        // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
-        input.prepare(*layer.gate_up, xn, seqs);
-        const auto range = share(inter / kPanel, tid, threads);
-        const int64_t c0 = range.first * kPanel, c1 = range.second * kPanel;
-        columns(*layer.gate_up, gu, 2 * inter, c0, c1);
-        columns(*layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
-        for (int64_t r = 0; r < seqs; ++r)
-          silu_mul_row(gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
-#pragma omp barrier
-        project(*layer.down, act_p, add);
-#pragma omp barrier
+    // The phases; each takes this thread's number and the team's size.
+    // The first norm has nothing to add (a norm with a zero residual sums in another order: the
+    // compiler vectorises the two cases differently).
+    auto norm_rows = [&](int tid, int threads, const torch::Tensor& weight, bool first) {
+      const auto rows = share(seqs, tid, threads);
+      for (int64_t r = rows.first; r < rows.second; ++r)
+        rms_norm_row(first ? res + r * hidden_ : add + r * hidden_, first ? nullptr : res + r * hidden_,
+                     weight.data_ptr<T>(), xn + r * hidden_, hidden_, eps);
+    };
+    // columns [c0, c1) of y = x W^T + b, rounded to T as the layer-by-layer path rounds them (the
+    // bias added after the product's rounding, as torch adds it)
+    auto columns = [&](ProjectionInput<T>& input, const StackLinear& w, T* y, int64_t ldy, int64_t c0, int64_t c1) {
+      if constexpr (std::is_same_v<T, float>) {
+        w.columns(input.rows, input.quantized, y, ldy, seqs, c0, c1);
+      } else {
+        w.columns(input.rows, input.quantized, sums_p, ldy, seqs, c0, c1);
+        for (int64_t i = 0; i < seqs; ++i)
+          for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(sums_p[i * ldy + c]);
       }
-      norm_rows(final_norm_, false);
+      if (w.bias.defined()) {
+        const T* b = w.bias.data_ptr<T>();
+        for (int64_t i = 0; i < seqs; ++i)
+          for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(to_float(y[i * ldy + c]) + to_float(b[c]));
+      }
+    };
+    auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y) {
+      input.prepare(w, x, seqs);
+      const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
+      columns(input, w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
+    };
+    auto attention = [&](int tid, int threads, size_t l, AttentionScratch& scratch) {
+      const auto items = share(seqs * kv_heads_, tid, threads);
+      T *k_pool = k_caches[l].data_ptr<T>(), *v_pool = v_caches[l].data_ptr<T>();
+      for (int64_t item = items.first; item < items.second; ++item) {
+        const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
+        T* row = qkv_p + s * qkv_n;
+        T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
+        const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
+        rope_heads(q, group, head_dim_, c, sn);
+        rope_heads(k, 1, head_dim_, c, sn);
+        std::memcpy(k_pool + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
+        std::memcpy(v_pool + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
+        attend_item(q, k_pool, v_pool, tables + s * max_blocks, lens[s], layers_[l].window, kvh, group, kv_heads_,
+                    head_dim_, block_size, scale, attn_p + s * q_size + kvh * group * head_dim_, scratch);
+      }
+    };
+
+    if (fused) {
+#pragma omp parallel num_threads(at::get_num_threads())
+      {
+        const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+        ProjectionInput<T> input;
+        AttentionScratch scratch;
+        for (size_t l = 0; l < layers_.size(); ++l) {
+          const StackLayer& layer = layers_[l];
+          norm_rows(tid, threads, layer.input_norm, l == 0);
+#pragma omp barrier
+          project(tid, threads, input, *layer.qkv, xn, qkv_p);
+#pragma omp barrier
+          attention(tid, threads, l, scratch);
+#pragma omp barrier
+          project(tid, threads, input, *layer.o, attn_p, add);
+#pragma omp barrier
+          norm_rows(tid, threads, layer.post_norm, false);
+#pragma omp barrier
+          // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
+          input.prepare(*layer.gate_up, xn, seqs);
+          const auto range = share(inter / kPanel, tid, threads);
+          const int64_t c0 = range.first * kPanel, c1 = range.second * kPanel;
+          columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);
+          columns(input, *layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
+          for (int64_t r = 0; r < seqs; ++r)
+            silu_mul_row(gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
+#pragma omp barrier
+          project(tid, threads, input, *layer.down, act_p, add);
+#pragma omp barrier
+        }
+        norm_rows(tid, threads, final_norm_, false);
+      }
+      return normed;
     }
+
+    auto in_parallel = [&](auto phase) {
+#pragma omp parallel num_threads(at::get_num_threads())
+      phase(omp_get_thread_num(), omp_get_num_threads());
+    };
+    torch::Tensor qkv_out, o_out, gu_out, down_out;  // alive until the phase after the next reads them
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const StackLayer& layer = layers_[l];
+      in_parallel([&](int tid, int threads) { norm_rows(tid, threads, layer.input_norm, l == 0); });
+      qkv_out = serial_linear<T>(*layer.qkv, normed, qkv, project, in_parallel);
+      qkv_p = qkv_out.data_ptr<T>();
+      in_parallel([&](int tid, int threads) {
+        AttentionScratch scratch;
+        attention(tid, threads, l, scratch);
+      });
+      o_out = serial_linear<T>(*layer.o, attn, pending, project, in_parallel);
+      add = o_out.data_ptr<T>();
+      in_parallel([&](int tid, int threads) { norm_rows(tid, threads, layer.post_norm, false); });
+      gu_out = serial_linear<T>(*layer.gate_up, normed, gate_up, project, in_parallel);
+      const T* gu_p = gu_out.data_ptr<T>();
+      in_parallel([&](int tid, int threads) {
+        const auto rows = share(seqs, tid, threads);
+        for (int64_t r = rows.first; r < rows.second; ++r)
+          silu_mul_row(gu_p + r * 2 * inter, gu_p + r * 2 * inter + inter, act_p + r * inter, inter);
+      });
+      down_out = serial_linear<T>(*layer.down, act, pending, project, in_parallel);
+      add = down_out.data_ptr<T>();
+    }
+    in_parallel([&](int tid, int threads) { norm_rows(tid, threads, final_norm_, false); });
     return normed;
+  }
+
+  // y = x W^T (+ b) outside a parallel region: oneDNN's GEMM for bfloat16 weights (the layer path's
+  // F.linear), llmaccel's kernel in a parallel phase otherwise (into `out`).
+  template <typename T, typename Project, typename InParallel>
+  static torch::Tensor serial_linear(const StackLinear& w, const torch::Tensor& x, const torch::Tensor& out,
+                                     Project& project, InParallel& in_parallel) {
+    if (w.kind == StackLinear::kBf16) return at::linear(x, w.weight, w.bias.defined() ? w.bias : torch::Tensor());
+    in_parallel([&](int tid, int threads) {
+      ProjectionInput<T> input;
+      project(tid, threads, input, w, x.data_ptr<T>(), out.data_ptr<T>());
+    });
+    return out;
   }
 
   void check_norm(const torch::Tensor& w) const {

@@ -1,5 +1,6 @@
-"""One linear layer at a few row counts: oneDNN packed float32, llmaccel's float32 panel kernel,
-torch's INT8 kernel and llmaccel's INT8/INT4 kernels (ops/gemv.py), with the read rate each reaches.
+"""One linear layer at a few row counts: oneDNN packed float32, llmaccel's float32 panel kernel, oneDNN's
+bfloat16 GEMM (F.linear) and llmaccel's bfloat16 streaming kernel, torch's INT8 kernel and llmaccel's
+INT8/INT4 kernels (ops/gemv.py), with the read rate each reaches.
 The figures in docs/benchmarks.md ("Fast on the machine it lands on") and ops/cpu_linear.py came from
 this comparison.
 
@@ -12,6 +13,7 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 from llmaccel.ops.cpu_linear import pack_weight, packed_linear
 from llmaccel.ops.gemv import gemv_kernels, pack_int4_rows, to_panels
@@ -29,13 +31,15 @@ def best_seconds(fn, calls: int, repeats: int = 5) -> float:
     return best / calls
 
 
-def layer_timings(kernels, x, panels, packed, q8, scale, scale_bf16, q4, s4) -> dict[str, tuple[float, float]]:
+def layer_timings(kernels, x, panels, packed, bf16, q8, scale, scale_bf16, q4, s4) -> dict[str, tuple[float, float]]:
     """Seconds a call and bytes a weight for each kernel on rows x."""
     calls = len(panels)
     n = panels[0].shape[0] * 16
     return {
         "onednn-f32": (best_seconds(lambda: [packed_linear(x, p, None) for p in packed], calls), 4),
         "panel-f32": (best_seconds(lambda: [kernels.linear_f32(x, p, n) for p in panels], calls), 4),
+        "onednn-bf16": (best_seconds(lambda: [F.linear(x.bfloat16(), w) for w in bf16], calls), 2),
+        "stream-bf16": (best_seconds(lambda: [kernels.gemv_bf16(x, w) for w in bf16], calls), 2),
         "torch-int8": (best_seconds(lambda: [torch._weight_int8pack_mm(x.bfloat16(), q, scale_bf16) for q in q8],
                                     calls), 1),
         "gemv-int8": (best_seconds(lambda: [kernels.gemv_i8(x, q, scale) for q in q8], calls), 1),
@@ -58,13 +62,15 @@ def main() -> None:
         dense = [torch.randn(n, k) for _ in range(copies)]
         packed = [pack_weight(w) for w in dense]
         panels = [to_panels(w) for w in dense]
+        bf16 = [w.bfloat16() for w in dense]
         del dense
         q8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
         scale, scale_bf16 = torch.rand(n), torch.rand(n).bfloat16()
         q4 = [pack_int4_rows(torch.randint(0, 16, (n, k))) for _ in range(copies)]
         s4 = torch.rand(n, k // 32).half()
         for rows in (int(r) for r in args.rows.split(",")):
-            timings = layer_timings(kernels, torch.randn(rows, k), panels, packed, q8, scale, scale_bf16, q4, s4)
+            timings = layer_timings(kernels, torch.randn(rows, k), panels, packed, bf16, q8, scale, scale_bf16, q4,
+                                    s4)
             cells = [f"{kernel} {sec * 1e6:.0f} us ({n * k * size / sec / 1e9:.1f} GB/s)"
                      for kernel, (sec, size) in timings.items()]
             print(f"{name} {n}x{k} rows {rows}: " + " | ".join(cells))

@@ -46,8 +46,9 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 
 
 # Up to this many rows llmaccel's streaming kernel (csrc/linear_bf16.cpp) beats oneDNN's bfloat16 GEMM
-# on a plain bf16 weight: measured on a 2-core AMD EPYC Zen 4 (AVX512-BF16), 2.2-2.9x at one row, 1.4-1.5x
-# at two, 0.85-1.0x at four (tools/gemv_bench.py).
+# on a plain bf16 weight. Measured on a 2-core AMD EPYC Zen 4 (AVX512-BF16): with the weights in cache
+# 2.2-2.9x at one row, 1.4-1.5x at two, 0.85-1.0x at four; with them cold (tools/gemv_bench.py) 2.5-4x,
+# 2.6-2.8x and 1.5-1.7x. Two is safe on both counts.
 BF16_STREAM_ROWS = 2
 
 

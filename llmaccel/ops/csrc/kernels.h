@@ -43,6 +43,12 @@ void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int6
 void f32_panels(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
                 int64_t p0, int64_t p1);
 
+// v[i] = exp(v[i]) eight at a time (a Cephes-style polynomial, within 2 ulp of expf). The build keeps
+// -fno-finite-math-only, so glibc's vector exp is not used and every std::exp was a scalar call: a
+// fifth of the attention kernel's time and most of SiLU's. Each value's result depends on the value
+// alone, wherever it sits in the array.
+void exp_inplace(float* v, int64_t n);
+
 // One row of the step operations, in HF's formulas; float32, or bfloat16 rounded where torch rounds.
 // out = norm(x) * weight; with a residual, first residual += x and normalize the sum.
 void rms_norm_row(const float* x, float* residual, const float* weight, float* out, int64_t h, float eps);

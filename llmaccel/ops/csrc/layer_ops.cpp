@@ -8,12 +8,55 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMACCEL_EXP_AVX2 1
+#endif
+
 namespace llmaccel {
+
+#ifdef LLMACCEL_EXP_AVX2
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln 2, in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n by the exponent bits; at the clamp's low end n = -126, still a normal float
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+LLMACCEL_ONE_COPY void exp_inplace(float* v, int64_t n) {
+#ifdef LLMACCEL_EXP_AVX2
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+  if (i < n) {  // the tail through the same arithmetic
+    alignas(32) float tail[8] = {};
+    std::memcpy(tail, v + i, (n - i) * sizeof(float));
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    std::memcpy(v + i, tail, (n - i) * sizeof(float));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) v[i] = std::exp(v[i]);
+#endif
+}
+
 namespace {
 
 inline float to_float(float v) { return v; }
@@ -62,9 +105,16 @@ LLMACCEL_ONE_COPY void rope_row(T* row, int64_t heads, int64_t d, const T* c, co
 
 template <typename T>
 LLMACCEL_ONE_COPY void silu_row(const T* g, const T* u, T* o, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) {
-    const float gv = to_float(g[j]);
-    o[j] = static_cast<T>(to_float(static_cast<T>(gv / (1.0f + std::exp(-gv)))) * to_float(u[j]));
+  constexpr int64_t kChunk = 64;
+  float e[kChunk];  // exp(-gate) of a chunk
+  for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+    const int64_t len = std::min(kChunk, count - j0);
+    for (int64_t j = 0; j < len; ++j) e[j] = -to_float(g[j0 + j]);
+    exp_inplace(e, len);
+    for (int64_t j = 0; j < len; ++j) {
+      const float gv = to_float(g[j0 + j]);
+      o[j0 + j] = static_cast<T>(to_float(static_cast<T>(gv / (1.0f + e[j]))) * to_float(u[j0 + j]));
+    }
   }
 }
 

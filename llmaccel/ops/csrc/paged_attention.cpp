@@ -121,11 +121,10 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
     float* s = scores + h * len;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    for (int64_t t = 0; t < len; ++t) s[t] -= m;
+    llmaccel::exp_inplace(s, len);
     float total = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      total += s[t];
-    }
+    for (int64_t t = 0; t < len; ++t) total += s[t];
     scratch.inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
   }
 #ifdef LLMACCEL_ATTENTION_AVX2

@@ -73,9 +73,21 @@ inline float hsum(__m256 v) {
 
 // Eight int32 partial sums of the 32 products w[j] * x[j], w and x signed (|x| <= 127, so the pairs
 // maddubs adds stay below 2^15).
+// u8 x s8 products summed four at a time into int32 lanes: one VNNI instruction where the CPU has it
+// (AVX512-VNNI with VL, or AVX-VNNI), else maddubs (pairs into int16; these values cannot saturate it)
+// and madd. Exact integer sums either way, so the results are the same.
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 inline __m256i dot_i8_i8(__m256i w, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  return dot_u8_s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
 }
 
 // The same for unsigned 4-bit weights packed 16 bytes a group: byte j holds input j (low nibble) and
@@ -83,7 +95,7 @@ inline __m256i dot_i8_i8(__m256i w, __m256i x) {
 inline __m256i dot_u4_i8(const uint8_t* packed, __m256i x) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
   const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+  return dot_u8_s8(w, x);
 }
 #endif
 

@@ -64,15 +64,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
 namespace {
 
 #ifdef LLMACCEL_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Eight int32 partial sums of the 32 products w[j] * x[j], w and x signed (|x| <= 127, so the pairs
-// maddubs adds stay below 2^15).
 // u8 x s8 products summed four at a time into int32 lanes: one VNNI instruction where the CPU has it
 // (AVX512-VNNI with VL, or AVX-VNNI), else maddubs (pairs into int16; these values cannot saturate it)
 // and madd. Exact integer sums either way, so the results are the same.
@@ -86,6 +77,8 @@ inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 }
 
+// Eight int32 partial sums of the 32 products w[j] * x[j], w and x signed (|x| <= 127, so the pairs
+// maddubs adds stay below 2^15).
 inline __m256i dot_i8_i8(__m256i w, __m256i x) {
   return dot_u8_s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
 }
@@ -131,7 +124,7 @@ void i8_pass(const QuantizedRows& a, const int8_t* w, const float* scale, bool g
 #undef LLMACCEL_I8_ROW
     }
     const __m256 c[4] = {c0, c1, c2, c3};
-    for (int j = 0; j < R; ++j) sums[j] = hsum(c[j]);
+    for (int j = 0; j < R; ++j) sums[j] = hsum8(c[j]);
 #else
     for (int j = 0; j < R; ++j) {
       const int8_t* wr = w + (r + j) * k;
@@ -173,7 +166,7 @@ void i4_pass(const QuantizedRows& a, const uint8_t* packed, const float* s, cons
 #undef LLMACCEL_I4_ROW
     }
     const __m256 c[4] = {c0, c1, c2, c3};
-    for (int j = 0; j < R; ++j) sums[j] += hsum(c[j]);
+    for (int j = 0; j < R; ++j) sums[j] += hsum8(c[j]);
 #else
     for (int j = 0; j < R; ++j) {
       const uint8_t* wr = packed + (r + j) * (k / 2);

@@ -14,7 +14,21 @@
 // and agree to the bit.
 #define LLMACCEL_ONE_COPY __attribute__((noipa))
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace llmaccel {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The sum of a vector's eight lanes, always in this order (the kernels' results depend on it).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel

@@ -26,13 +26,6 @@ static inline void prefetch_bytes(const void* start, int64_t bytes) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMACCEL_ATTENTION_AVX2 1
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // A query head against a key: four independent sums (the compiler's single chain waited on FMA
@@ -47,7 +40,7 @@ static inline float dot(const float* a, const float* b, int64_t n) {
       s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
       s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
     }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    return llmaccel::hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
   }
 #endif
   float sum = 0.0f;

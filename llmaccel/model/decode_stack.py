@@ -82,12 +82,15 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
     for i, layer in enumerate(model.layers):
         modules = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
         parts = [stack_linear(kernels, m) for m in modules]
-        biases = [getattr(m, "bias", None) for m in modules]
-        if (any(p is None for p in parts) or any(b is not None and b.dtype != dtype for b in biases)
-                or layer.mlp.gate_up.out_features % 32 or layer.input_norm.weight.dtype != dtype):
+        if any(p is None for p in parts):
             logger.info("layer %d's weights are in a layout the decode stack does not read; "
                         "decoding layer by layer", i)
             return None
+        try:  # the stack checks shapes, widths and dtypes itself
+            stack.add_layer(*parts, layer.input_norm.weight.data, layer.post_norm.weight.data, layer.window or 0)
+        except RuntimeError as exc:
+            logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
+                        str(exc).splitlines()[0])
+            return None
         streams_bf16 |= any(isinstance(m, Linear) and m.panels is None for m in modules)
-        stack.add_layer(*parts, layer.input_norm.weight.data, layer.post_norm.weight.data, layer.window or 0)
     return DecodeStack(stack, dtype, BF16_STREAM_ROWS if streams_bf16 else None)

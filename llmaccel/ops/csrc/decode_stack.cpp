@@ -114,9 +114,6 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
   return {units * tid / threads, units * (tid + 1) / threads};
 }
 
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
-
 // One thread's view of a projection's input: its rows as float32 (converted from bfloat16 once a
 // phase) and, for integer weights, quantized.
 template <typename T>
@@ -179,7 +176,6 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
 
  private:
   // `fused`: every phase in one parallel region, the projections by llmaccel's kernels. Otherwise

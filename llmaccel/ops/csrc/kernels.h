@@ -57,6 +57,9 @@ void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int6
 void f32_panels(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
                 int64_t p0, int64_t p1);
 
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
 // v[i] = exp(v[i]) eight at a time (a Cephes-style polynomial, within 2 ulp of expf). The build keeps
 // -fno-finite-math-only, so glibc's vector exp is not used and every std::exp was a scalar call: a
 // fifth of the attention kernel's time and most of SiLU's. Each value's result depends on the value

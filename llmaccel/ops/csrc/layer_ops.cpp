@@ -59,8 +59,6 @@ LLMACCEL_ONE_COPY void exp_inplace(float* v, int64_t n) {
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 // Rows are split between threads only when there are enough of them to pay for the wake-up.
 template <typename Fn>

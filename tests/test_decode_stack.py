@@ -10,6 +10,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from llmaccel import LLM
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.kernel_choice import FORCE_ENV, candidates
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import _common
 
@@ -73,8 +74,10 @@ def test_the_stack_keeps_to_each_layers_sliding_window(tmp_path, tiny_tokenizer)
 def test_bfloat16_steps_of_few_rows_take_the_stack_to_the_bit(tiny_model_dirs, name, quantization):
     # no prefix cache: the second run must prefill as the first did (oneDNN's bf16 sums depend on the rows)
     llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
-    stack = llm.engine.runner.model.decode_stack
-    assert stack.dtype == torch.bfloat16 and stack.max_rows == (2 if quantization is None else None)
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert stack.dtype == torch.bfloat16
+    assert stack.bf16_choice is (model.layers[0].qkv.bf16_choice if quantization is None else None)
     _stack_against_layers(llm, _prompts()[:2], tokens=24)
 
 
@@ -86,10 +89,17 @@ def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
-def test_bfloat16_batches_past_the_streaming_rows_call_onednn_between_the_phases_to_the_bit(tiny_model_dirs, name):
+@pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn"])
+def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_dirs, name, kernel, monkeypatch):
+    """Three sequences decode together: the stack streams, runs the AVX512-BF16 GEMM inside its region, or
+    calls oneDNN between its phases, as the layer path does at the same rows."""
+    if kernel not in candidates():
+        pytest.skip(f"no {kernel} kernel on this CPU")
+    monkeypatch.setenv(FORCE_ENV, kernel)
     llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", enable_prefix_caching=False)
-    assert llm.engine.runner.model.decode_stack.max_rows == 2
-    _stack_against_layers(llm, _prompts(), tokens=24)  # three sequences decode together
+    model = llm.engine.runner.model
+    assert model.decode_stack.bf16_choice.kernel(3) == kernel == model.layers[1].mlp.down.bf16_choice.kernel(3)
+    _stack_against_layers(llm, _prompts(), tokens=24)
 
 
 def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs):
@@ -103,9 +113,10 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
     position = torch.zeros(1, dtype=torch.long)
     cos, sin = model.rotary.cos, model.rotary.sin
 
-    def step(positions=position, slots=None, tables=table, k_pools=pools):
+    def step(positions=position, slots=None, tables=table, k_pools=pools, kernel="stream"):
         slots = torch.tensor([0]) if slots is None else slots
-        model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16, True)
+        model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16,
+                                         kernel)
 
     with pytest.raises(RuntimeError, match="slot 64 is outside the KV pool of 64"):
         step(slots=torch.tensor([64]))
@@ -115,4 +126,6 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
         step(tables=table + 9)
     with pytest.raises(RuntimeError, match="one K and one V pool a layer"):
         step(k_pools=pools[:1])
+    with pytest.raises(RuntimeError, match="unknown bfloat16 kernel 'fastest' \\(stream, gemm or onednn\\)"):
+        step(kernel="fastest")
     step()  # and the same step, well formed, runs

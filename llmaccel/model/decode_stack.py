@@ -4,9 +4,8 @@ A decode-only step on the CPU (float32 or bfloat16 activations) runs every layer
 write, paged attention, gated MLP) inside one parallel region instead of ~15 Python-level calls a
 layer: on the default model that Python cost 6-7 ms a token, half of an INT8 token's time. The
 arithmetic is the same kernels' in the same order, so the hidden states are bit-identical to the
-layer-by-layer path, which still serves prefill, mixed steps, bfloat16 batches past the streaming
-kernel's few rows, and anything the stack cannot read (tests/test_decode_stack.py holds the two to
-each other).
+layer-by-layer path, which still serves prefill, mixed steps and anything the stack cannot read
+(tests/test_decode_stack.py holds the two to each other).
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from torch import nn
 
 from llmaccel.model.layers import Linear
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
-from llmaccel.ops.cpu_linear import BF16_STREAM_ROWS
 from llmaccel.ops.gemv import gemv_kernels
+from llmaccel.ops.kernel_choice import Bf16Choice
 from llmaccel.ops.layer_ops import layer_kernels
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
 
@@ -48,12 +47,12 @@ def stack_linear(kernels, module: nn.Module):
 
 class DecodeStack:
     """The C++ stack holding a model's layers (`stack`); it takes decode-only steps in the model's dtype.
-    Up to `max_rows` sequences (None: any number) every projection runs inside the stack's one parallel
-    region; past it, bfloat16 projections are oneDNN GEMMs between the stack's parallel phases (oneDNN
-    is faster there than streaming: ops/cpu_linear.BF16_STREAM_ROWS)."""
+    Plain bfloat16 weights run the kernel `bf16_choice` names for the step's rows (the layers' own
+    choice, ops/kernel_choice.py): the streaming kernel or the AVX512-BF16 GEMM inside the stack's one
+    parallel region, or oneDNN GEMMs between its phases. None: no plain bf16 weights, always in the region."""
 
-    def __init__(self, stack, dtype: torch.dtype, max_rows: int | None) -> None:
-        self.stack, self.dtype, self.max_rows = stack, dtype, max_rows
+    def __init__(self, stack, dtype: torch.dtype, bf16_choice: Bf16Choice | None) -> None:
+        self.stack, self.dtype, self.bf16_choice = stack, dtype, bf16_choice
 
     def decode(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -62,10 +61,10 @@ class DecodeStack:
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype:
             return None
         hidden = model.embedding.rows(input_ids).to(self.dtype)
-        fused = self.max_rows is None or rows <= self.max_rows
+        kernel = "stream" if self.bf16_choice is None else self.bf16_choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, fused)
+                                  meta.decode_context_lens, meta.block_size, kernel)
 
 
 def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
@@ -78,7 +77,7 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
         return None
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, model.norm.weight.data)
-    streams_bf16 = False
+    plain_bf16 = None
     for i, layer in enumerate(model.layers):
         modules = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
         parts = [stack_linear(kernels, m) for m in modules]
@@ -92,5 +91,6 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])
             return None
-        streams_bf16 |= any(isinstance(m, Linear) and m.panels is None for m in modules)
-    return DecodeStack(stack, dtype, BF16_STREAM_ROWS if streams_bf16 else None)
+        plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.weight is not None),
+                          plain_bf16)
+    return DecodeStack(stack, dtype, plain_bf16)

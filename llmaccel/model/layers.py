@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.ops.cpu_linear import bf16_linear, pack_panels, pack_weight, packed_linear, panel_linear, panel_rows
+from llmaccel.ops.kernel_choice import DEFAULT_CHOICE
 from llmaccel.ops.layer_ops import kernels_for, rms_norm_reference, rope_reference, silu_mul
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
@@ -119,6 +120,7 @@ class Linear(nn.Module):
         self.panels = pack_panels(weight)
         self.packed = pack_weight(weight) if self.panels is None else None
         self.weight = weight if self.panels is None and self.packed is None else None
+        self.bf16_choice = DEFAULT_CHOICE  # which kernel at which rows, for a bf16 CPU weight (tuned at load)
 
     @property
     def weight_bytes(self) -> int:
@@ -146,7 +148,7 @@ class Linear(nn.Module):
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
-            return bf16_linear(x, self.weight, self.bias)
+            return bf16_linear(x, self.weight, self.bias, self.bf16_choice)
         return F.linear(x, self.weight, self.bias)
 
 

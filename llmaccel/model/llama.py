@@ -15,6 +15,7 @@ from llmaccel.model.decode_stack import build_decode_stack
 from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
+from llmaccel.ops.kernel_choice import tune_bf16
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
 
@@ -116,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling,
                                       dtype).to(device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
+        if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
+            choose_bf16_kernels(self)
         # decode-only steps in one C++ call where the weights allow (model/decode_stack.py); None: layer by layer
         self.decode_stack = build_decode_stack(self) if device.type == "cpu" and use_kernel is not False else None
 
@@ -152,3 +155,24 @@ class _WeightTaker:
 
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self(n) for n in names], dim=0)
+
+
+def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
+    """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
+    plain bf16 Linear its choice: the layers one, the LM head its own (ops/kernel_choice.py)."""
+    first = model.layers[0]
+    modules = (first.qkv, first.o, first.mlp.gate_up, first.mlp.down)
+    plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
+    head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.weight is not None else None
+    if head is not None and head.weight.dtype != torch.bfloat16:
+        head = None
+    if not plain and head is None:
+        return
+    layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
+                                           head.weight if head is not None else None)
+    if layers_choice is not None:
+        for layer in model.layers:
+            for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
+                m.bf16_choice = layers_choice
+    if head is not None:
+        head.bf16_choice = head_choice

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.ops.gemv import PANEL, gemv_kernels, to_panels
+from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, run_bf16
 
 logger = logging.getLogger(__name__)
 _BATCH_HINT = 64  # oneDNN tunes the packed layout for this many rows; any row count works
@@ -45,20 +46,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     return out if bias is None else out + bias
 
 
-# Up to this many rows llmaccel's streaming kernel (csrc/linear_bf16.cpp) beats oneDNN's bfloat16 GEMM
-# on a plain bf16 weight. Measured on a 2-core AMD EPYC Zen 4 (AVX512-BF16): with the weights in cache
-# 2.2-2.9x at one row, 1.4-1.5x at two, 0.85-1.0x at four; with them cold (tools/gemv_bench.py) 2.5-4x,
-# 2.6-2.8x and 1.5-1.7x. Two is safe on both counts.
-BF16_STREAM_ROWS = 2
-
-
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a bfloat16 CPU weight: the streaming kernel at few rows, else oneDNN.
-    The bias is added after the product is rounded to x's dtype, as torch adds it."""
-    kernels = gemv_kernels()
-    if x.shape[0] > BF16_STREAM_ROWS or kernels is None or x.dim() != 2:
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                choice: Bf16Choice = DEFAULT_CHOICE) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a bfloat16 CPU weight by the kernel `choice` names for x's rows
+    (ops/kernel_choice.py). The bias is added after the product is rounded to x's dtype, as torch adds it."""
+    kernel = choice.kernel(x.shape[0]) if x.dim() == 2 and x.dtype == torch.bfloat16 else "onednn"
+    if kernel == "onednn":
         return F.linear(x, weight, bias)
-    out = kernels.gemv_bf16(x, weight).to(x.dtype)
+    out = run_bf16(kernel, x, weight)
     return out if bias is None else out + bias
 
 

@@ -20,6 +20,8 @@ torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64
                                      int64_t window, double scale);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
+bool gemm_bf16_available();
 namespace llmaccel {
 void bind_decode_stack(pybind11::module& m);
 }
@@ -32,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");
   m.def("linear_f32", &linear_f32, "x @ w.T, float32 weights in panels of 16 columns, any row count");
   m.def("gemv_bf16", &gemv_bf16, "x @ w.T for few rows, bfloat16 weights in their plain layout, float32 sums");
+  m.def("gemm_bf16", &gemm_bf16, "x @ w.T for bfloat16 batches on AVX512-BF16, w in its plain layout");
+  m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 GEMM was compiled in");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given");
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows");

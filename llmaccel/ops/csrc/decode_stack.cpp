@@ -114,15 +114,34 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
   return {units * tid / threads, units * (tid + 1) / threads};
 }
 
+// How a bfloat16 stack computes its bf16 projections: every one inside the stack's parallel region,
+// by the streaming kernel (few rows) or the AVX512-BF16 GEMM, or each by oneDNN between the region's
+// phases (where it measured fastest: AMX). ops/kernel_choice.py times them and picks per row count.
+enum class Bf16Kernel { kStream, kGemm, kOneDnn };
+
+Bf16Kernel parse_bf16_kernel(const std::string& name) {
+  if (name == "stream") return Bf16Kernel::kStream;
+  if (name == "gemm") {
+    TORCH_CHECK(bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
+    return Bf16Kernel::kGemm;
+  }
+  TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name, "' (stream, gemm or onednn)");
+  return Bf16Kernel::kOneDnn;
+}
+
 // One thread's view of a projection's input: its rows as float32 (converted from bfloat16 once a
-// phase) and, for integer weights, quantized.
+// phase), for integer weights quantized, for the bf16 GEMM packed in pairs.
 template <typename T>
 struct ProjectionInput {
   std::vector<float> converted;
   QuantizedRows quantized;
+  std::vector<uint32_t> pairs;
   const float* rows = nullptr;
 
-  void prepare(const StackLinear& w, const T* x, int64_t m) {
+  void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
+    }
     if constexpr (std::is_same_v<T, float>) {
       rows = x;
     } else {
@@ -162,31 +181,33 @@ class DecodeStack {
   }
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
-  // fused_decode_attention, with one K and one V pool per layer. `fused`: see run(). Returns the
-  // final norm's output [S, H].
+  // fused_decode_attention, with one K and one V pool per layer. `bf16_kernel`: stream, gemm or
+  // onednn (see Bf16Kernel; float32 and integer weights ignore it). Returns the final norm's output [S, H].
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
-                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, bool fused) const {
+                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                        const std::string& bf16_kernel) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+    const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
-                        fused);
+                        Bf16Kernel::kStream);
     return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
-                             block_size, fused);
+                             block_size, kernel);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // `fused`: every phase in one parallel region, the projections by llmaccel's kernels. Otherwise
-  // (a bfloat16 batch past the streaming kernel's few rows) each bfloat16 projection is one oneDNN
-  // GEMM (at::linear, as the layer-by-layer path calls it) between the parallel phases.
+  // Every phase in one parallel region, the projections by llmaccel's kernels; with kOneDnn each
+  // bfloat16 projection is one oneDNN GEMM (at::linear, as the layer-by-layer path calls it) between
+  // the parallel phases instead.
   template <typename T>
   torch::Tensor run(const torch::Tensor& hidden, const torch::Tensor& positions, const torch::Tensor& cos,
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
                     const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                    bool fused) const {
+                    Bf16Kernel kernel) const {
     const int64_t seqs = hidden.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
     const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
@@ -222,7 +243,11 @@ class DecodeStack {
     // columns [c0, c1) of y = x W^T + b, rounded to T as the layer-by-layer path rounds them (the
     // bias added after the product's rounding, as torch adds it)
     auto columns = [&](ProjectionInput<T>& input, const StackLinear& w, T* y, int64_t ldy, int64_t c0, int64_t c1) {
-      if constexpr (std::is_same_v<T, float>) {
+      if (!input.pairs.empty() && w.kind == StackLinear::kBf16) {
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
+                            y, ldy, c0, c1);
+      } else if constexpr (std::is_same_v<T, float>) {
         w.columns(input.rows, input.quantized, y, ldy, seqs, c0, c1);
       } else {
         w.columns(input.rows, input.quantized, sums_p, ldy, seqs, c0, c1);
@@ -236,7 +261,7 @@ class DecodeStack {
       }
     };
     auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y) {
-      input.prepare(w, x, seqs);
+      input.prepare(w, x, seqs, kernel);
       const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
       columns(input, w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
     };
@@ -252,12 +277,17 @@ class DecodeStack {
         rope_heads(k, 1, head_dim_, c, sn);
         std::memcpy(k_pool + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
         std::memcpy(v_pool + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
+        if (item + 1 < items.second) {
+          const int64_t next = (item + 1) / kv_heads_;
+          prefetch_item(k_pool, v_pool, tables + next * max_blocks, lens[next], layers_[l].window,
+                        (item + 1) % kv_heads_, kv_heads_, head_dim_, block_size);
+        }
         attend_item(q, k_pool, v_pool, tables + s * max_blocks, lens[s], layers_[l].window, kvh, group, kv_heads_,
                     head_dim_, block_size, scale, attn_p + s * q_size + kvh * group * head_dim_, scratch);
       }
     };
 
-    if (fused) {
+    if (kernel != Bf16Kernel::kOneDnn) {
 #pragma omp parallel num_threads(at::get_num_threads())
       {
         const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -276,7 +306,7 @@ class DecodeStack {
           norm_rows(tid, threads, layer.post_norm, false);
 #pragma omp barrier
           // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
-          input.prepare(*layer.gate_up, xn, seqs);
+          input.prepare(*layer.gate_up, xn, seqs, kernel);
           const auto range = share(inter / kPanel, tid, threads);
           const int64_t c0 = range.first * kPanel, c1 = range.second * kPanel;
           columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);

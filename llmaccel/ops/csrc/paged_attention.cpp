@@ -83,6 +83,71 @@ static inline void for_each_row(const scalar_t* cache, const int32_t* table, int
   }
 }
 
+#if defined(__AVX512F__) && defined(LLMACCEL_ATTENTION_AVX2)
+#define LLMACCEL_ATTENTION_AVX512 1
+// 16 cache values as float32 (bf16 widened in a register: it is the top half of a float32).
+template <typename scalar_t>
+static inline __m512 load16(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+static inline __m256 halves_sum(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+// The weighted sum of the value rows for query heads h0 .. h0 + HC - 1 in one pass, each row widened
+// once: HC x DV accumulators of 16 lanes stay in registers. Each lane sums in row order, as the
+// one-head-at-a-time loop did, so the results are the same to the bit.
+template <int DV, int HC, typename scalar_t>
+static inline void weigh_values(const scalar_t* v_cache, const int32_t* table, int64_t first, int64_t context_len,
+                                int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t head_bytes,
+                                const float* scores, int64_t len, int64_t h0, float* acc) {
+  __m512 sum[HC][DV];
+  for (int h = 0; h < HC; ++h)
+    for (int d = 0; d < DV; ++d) sum[h][d] = _mm512_setzero_ps();
+  for_each_row(v_cache, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+               [&](const scalar_t* row, int64_t t) {
+                 __m512 v[DV];
+                 for (int d = 0; d < DV; ++d) v[d] = load16(row + 16 * d);
+                 for (int h = 0; h < HC; ++h) {
+                   const __m512 w = _mm512_set1_ps(scores[(h0 + h) * len + t]);
+                   for (int d = 0; d < DV; ++d) sum[h][d] = _mm512_fmadd_ps(w, v[d], sum[h][d]);
+                 }
+               });
+  for (int h = 0; h < HC; ++h)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + (h0 + h) * DV * 16 + 16 * d, sum[h][d]);
+}
+
+// Every query head of the group against a key row widened once into registers. Each dot keeps the
+// portable dot()'s four chains: chain c sums elements 8c .. 8c + 7 of every 32, so two 16-lane chains
+// hold (0, 1) and (2, 3), and the halves are added as dot() adds them.
+template <int DV, typename scalar_t>
+static inline void score_keys(const scalar_t* k_cache, const int32_t* table, int64_t first, int64_t context_len,
+                              int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t head_bytes,
+                              const float* qf, int64_t group, int64_t len, float* scores) {
+  for_each_row(k_cache, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+               [&](const scalar_t* row, int64_t t) {
+                 __m512 key[DV];
+                 for (int d = 0; d < DV; ++d) key[d] = load16(row + 16 * d);
+                 for (int64_t h = 0; h < group; ++h) {
+                   const float* q = qf + h * DV * 16;
+                   __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), key[0]);
+                   __m512 b = _mm512_mul_ps(_mm512_loadu_ps(q + 16), key[1]);
+                   for (int d = 2; d < DV; d += 2) {
+                     a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d), key[d], a);
+                     b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d + 16), key[d + 1], b);
+                   }
+                   scores[h * len + t] = llmaccel::hsum8(_mm256_add_ps(halves_sum(a), halves_sum(b)));
+                 }
+               });
+}
+#endif
+
 // One (sequence, KV head) item: its `group` query heads share every key and value they read. Pass 1
 // scores every key for the group's heads, reading the blocks' rows in order; then softmax per head;
 // pass 2 sums the weighted values the same way. Separate branch-free loops let the compiler vectorise
@@ -105,6 +170,18 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
   float *qf = scratch.qf.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
   float* widened = scratch.widened.data();
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
+#ifdef LLMACCEL_ATTENTION_AVX512
+  const bool wide = head_dim == 64 || head_dim == 128;
+  if (head_dim == 64)
+    score_keys<4>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                  head_bytes, qf, group, len, scores);
+  else if (head_dim == 128)
+    score_keys<8>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                  head_bytes, qf, group, len, scores);
+  else
+#else
+  const bool wide = false;
+#endif
   for_each_row(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
                [&](const scalar_t* row, int64_t t) {
                  const float* key = as_floats(row, head_dim, widened);
@@ -120,6 +197,39 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
     for (int64_t t = 0; t < len; ++t) total += s[t];
     scratch.inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
   }
+#ifdef LLMACCEL_ATTENTION_AVX512
+  if (wide) {
+    const scalar_t* v_head = v_cache + kvh * head_dim;
+    for (int64_t h0 = 0; h0 < group;) {  // up to 24 accumulators a pass
+      const int64_t left = group - h0;
+      if (head_dim == 64 && left >= 4) {
+        weigh_values<4, 4>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                           scores, len, h0, acc);
+        h0 += 4;
+      } else if (head_dim == 64 && left == 3) {
+        weigh_values<4, 3>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                           scores, len, h0, acc);
+        h0 += 3;
+      } else if (left >= 2) {
+        if (head_dim == 64)
+          weigh_values<4, 2>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                             scores, len, h0, acc);
+        else
+          weigh_values<8, 2>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                             scores, len, h0, acc);
+        h0 += 2;
+      } else {
+        if (head_dim == 64)
+          weigh_values<4, 1>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                             scores, len, h0, acc);
+        else
+          weigh_values<8, 1>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                             scores, len, h0, acc);
+        h0 += 1;
+      }
+    }
+  } else
+#endif
 #ifdef LLMACCEL_ATTENTION_AVX2
   if (head_dim % 64 == 0) {
     // A head's 64-wide slice of its output sits in eight registers while every value row passes (the
@@ -163,6 +273,36 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
       out_group[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * scratch.inv_sum[h]);
 }
 
+// The first block of an item's keys and values, requested ahead: an item's own prefetching starts at
+// its second block, and its first was a cold miss row by row (half the attention's time in a 64-sequence
+// decode step went to waiting on memory, measured with perf).
+template <typename scalar_t>
+static void prefetch_first_block(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                                 int64_t context_len, int64_t window, int64_t kvh, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  const int64_t row_stride = num_kv_heads * head_dim, t0 = first - first % block_size;
+  const int64_t block = table[t0 / block_size], rows = std::min(block_size, context_len - t0);
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = first - t0; j < rows; ++j) {
+    const int64_t offset = (block * block_size + j) * row_stride + kvh * head_dim;
+    prefetch_bytes(k_cache + offset, bytes);
+    prefetch_bytes(v_cache + offset, bytes);
+  }
+}
+
+void llmaccel::prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
+                             int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size) {
+  prefetch_first_block(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+}
+
+void llmaccel::prefetch_item(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
+                             int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size) {
+  prefetch_first_block(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+}
+
 void llmaccel::attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
                            int64_t len, int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch) {
@@ -189,6 +329,11 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
     llmaccel::AttentionScratch scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
+      if (item + 1 < end) {
+        const int64_t next = (item + 1) / num_kv_heads;
+        prefetch_first_block(k_cache, v_cache, block_tables + next * max_blocks, context_lens[next], window,
+                             (item + 1) % num_kv_heads, num_kv_heads, head_dim, block_size);
+      }
       attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
              context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale,
              out + (seq * num_heads + kvh * group) * head_dim, scratch);

@@ -1,0 +1,140 @@
+// bfloat16 GEMM on AVX512-BF16 (vdpbf16ps) for batches: y[M, N] = x[M, K] @ W[N, K]^T, W in its plain
+// layout (the one the streaming kernel and oneDNN read, so the model keeps one copy).
+//
+// oneDNN's bfloat16 GEMM reached 200-345 GFLOP/s at the decode shapes of a 64-sequence batch on a
+// 2-core AMD EPYC Zen 4 (no AMX), whose vdpbf16ps peak is ~450 GFLOP/s (measured). This kernel turns the
+// problem around: the activations, which are small and change every call, are packed so that one
+// 512-bit register holds 16 rows' pairs (x[i, 2p], x[i, 2p + 1]); each weight pair W[n, 2p..2p+1] is
+// broadcast from its plain row. A tile of 32 rows x 8 columns keeps 16 accumulators in registers, so
+// each weight is read from memory once per 32 rows and from L1 after: 380-410 GFLOP/s at those shapes
+// (tools/gemm_bench.py). Every output sums its pairs in order p = 0, 1, ..., so a row's result does
+// not depend on the tile, the thread or the rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace llmaccel {
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+namespace {
+
+constexpr int kTileCols = 8;
+
+// Rows [m0, m0 + 16 * MV) x columns [n0, n0 + NR) of y, rounded to bfloat16; `rows` of them are real.
+// With `prefetch`, the next NR weight rows are requested a line at a time as these are read: the model's
+// weights come from memory once a step, and waiting on them cost a quarter of the GEMM's time
+// (45 against 34 ms for the default model's layers at 64 rows, measured cold against hot).
+template <int MV, int NR>
+inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t k, int64_t n0, int64_t m0,
+                 int64_t rows, bf16* y, int64_t ldy, bool prefetch) {
+  __m512 acc[MV][NR];
+  for (int i = 0; i < MV; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint32_t* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = reinterpret_cast<const uint32_t*>(w + (n0 + j) * k);
+  const uint32_t* a = packed + m0;
+  const char* next = reinterpret_cast<const char*>(w + (n0 + NR) * k);
+  for (int64_t p = 0; p < k / 2; ++p, a += mp) {
+    if (prefetch && p % 16 == 0)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(next + (j * k + 2 * p) * 2, _MM_HINT_T0);
+    __m512bh x[MV];
+    for (int i = 0; i < MV; ++i) x[i] = (__m512bh)_mm512_loadu_si512(a + 16 * i);
+    for (int j = 0; j < NR; ++j) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(wr[j][p]));
+      for (int i = 0; i < MV; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x[i], b);
+    }
+  }
+  // Rounded to bfloat16 (to nearest even, as c10 rounds) 16 lanes at a time, then written row by row.
+  alignas(64) uint16_t lanes[NR][16];
+  auto* out = reinterpret_cast<uint16_t*>(y);
+  for (int i = 0; i < MV; ++i) {
+    for (int j = 0; j < NR; ++j)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[j]), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+    for (int64_t l = 0; l < 16 && 16 * i + l < rows; ++l) {
+      uint16_t* row = out + (m0 + 16 * i + l) * ldy + n0;
+      for (int j = 0; j < NR; ++j) row[j] = lanes[j][l];
+    }
+  }
+}
+
+// Columns [n0, n0 + NR) for every row: 32-row tiles, then one of 16 for the rest.
+template <int NR>
+inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, int64_t n0, bf16* y,
+                         int64_t ldy, bool prefetch) {
+  const int64_t mp = packed_rows(m);
+  int64_t m0 = 0;
+  for (; m0 + 16 < m; m0 += 32)
+    tile<2, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0);
+  if (m0 < m) tile<1, NR>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0);
+}
+
+}  // namespace
+
+bool bf16_gemm_compiled() { return true; }
+
+LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, bf16* y,
+                                         int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileCols <= n1; n += kTileCols)
+    column_block<kTileCols>(packed, m, w, k, n, y, ldy, n + 2 * kTileCols <= n1);
+  for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false);
+}
+#else
+bool bf16_gemm_compiled() { return false; }
+
+void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
+}
+#endif
+
+// Pair by pair, all rows: the writes run in order and the rows' lines stay in L1 across 16 pairs (row
+// by row, the writes strided by 64-256 bytes cost 3% of a 64-sequence decode step).
+void pack_pairs(const bf16* x, int64_t ldx, int64_t m, int64_t k, std::vector<uint32_t>& out) {
+  const int64_t mp = packed_rows(m);
+  out.resize(k / 2 * mp);
+  uint32_t* dst = out.data();
+  for (int64_t p = 0; p < k / 2; ++p, dst += mp) {
+    for (int64_t i = 0; i < m; ++i) std::memcpy(dst + i, x + i * ldx + 2 * p, sizeof(uint32_t));
+    for (int64_t i = m; i < mp; ++i) dst[i] = 0;
+  }
+}
+
+}  // namespace llmaccel
+
+bool gemm_bf16_available() { return llmaccel::bf16_gemm_compiled(); }
+
+// x bfloat16 [M, K] (K even), w bfloat16 [N, K] -> bfloat16 [M, N], no bias.
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(llmaccel::bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(),
+              "w must be contiguous bfloat16 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(k % 2 == 0, "K must be even, got ", k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kBFloat16,
+              "x must be bfloat16 [rows, ", k, "]");
+  auto xc = x.contiguous();
+  const int64_t m = xc.size(0);
+  auto y = torch::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  // Chunks of rows whose packed pairs stay in L2 while every weight passes them.
+  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
+  std::vector<uint32_t> packed;
+  for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+    const int64_t rows = std::min(chunk, m - r0);
+    llmaccel::pack_pairs(xc.data_ptr<at::BFloat16>() + r0 * k, k, rows, k, packed);
+    const int64_t blocks = (n + llmaccel::kPanel - 1) / llmaccel::kPanel;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      llmaccel::bf16_gemm_columns(packed.data(), rows, wp, k, yp + r0 * n, n, b0 * llmaccel::kPanel,
+                                  std::min(n, b1 * llmaccel::kPanel));
+    });
+  }
+  return y;
+}

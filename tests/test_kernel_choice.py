@@ -1,0 +1,110 @@
+"""The bfloat16 kernels a model's projections run (ops/kernel_choice.py): llmaccel's AVX512-BF16 GEMM
+against float64, each kernel's choice by row count, the timing cached per machine and model, and the
+forced choice rejected by name when this CPU lacks it."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from llmaccel import LLM
+from llmaccel.ops import kernel_choice
+from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.kernel_choice import FORCE_ENV, Bf16Choice, candidates, run_bf16, tune_bf16
+
+needs_gemm = pytest.mark.skipif("gemm" not in candidates(), reason="no AVX512-BF16 GEMM on this CPU")
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(8, 2), (37, 96), (300, 576), (576, 1536)])
+def test_the_gemm_matches_float64(rows, n, k):
+    generator = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    got = load_cpu_kernels().gemm_bf16(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums of exact bf16 products, rounded once to bf16: within half a bf16 ulp and the sums' error
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
+
+
+@needs_gemm
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    x = torch.randn(70, 576).to(torch.bfloat16)
+    w = torch.randn(200, 576).to(torch.bfloat16)
+    gemm = load_cpu_kernels().gemm_bf16
+    batch = gemm(x, w)
+    for i in (0, 15, 16, 31, 32, 69):  # first and last of each 16- and 32-row tile
+        assert torch.equal(gemm(x[i:i + 1], w)[0], batch[i])
+
+
+@needs_gemm
+def test_the_gemm_names_what_it_cannot_take():
+    gemm = load_cpu_kernels().gemm_bf16
+    with pytest.raises(RuntimeError, match="K must be even, got 5"):
+        gemm(torch.zeros(2, 5, dtype=torch.bfloat16), torch.zeros(3, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="w must be contiguous bfloat16"):
+        gemm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4))
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \[rows, 4\]"):
+        gemm(torch.zeros(2, 6, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
+
+
+def test_a_choice_maps_every_row_count_to_its_bucket():
+    choice = Bf16Choice(((2, "stream"), (4, "onednn"), (64, "gemm"), (256, "onednn")))
+    assert [choice.kernel(r) for r in (1, 2, 3, 4, 5, 64, 65, 256, 5000)] == [
+        "stream", "stream", "onednn", "onednn", "gemm", "gemm", "onednn", "onednn", "onednn"]
+    assert choice.describe() == "stream <= 2, onednn <= 4, gemm <= 64, onednn above"
+
+
+def test_every_kernel_here_agrees_with_float64():
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    for kernel in candidates():
+        assert kernel_choice._check(kernel, w) is None
+
+
+def test_the_timing_is_cached_per_machine_and_shapes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    weights = [torch.randn(48, 32).to(torch.bfloat16), torch.randn(32, 64).to(torch.bfloat16)]
+    head = torch.randn(80, 32).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
+        layers, lm_head = tune_bf16(weights, head)
+    assert "timed in" in caplog.text
+    assert [r for r, _ in layers.buckets] == list(kernel_choice.LAYER_BUCKETS)
+    assert [r for r, _ in lm_head.buckets] == list(kernel_choice.HEAD_BUCKETS)
+    assert {k for _, k in layers.buckets + lm_head.buckets} <= set(candidates())
+    assert all(k != "stream" for r, k in layers.buckets if r > kernel_choice.STREAM_MAX_ROWS)
+    (saved,) = (tmp_path / "kernel_choice").glob("bf16-*.json")
+    record = json.loads(saved.read_text())
+    assert record["layers"] == [list(b) for b in layers.buckets] and record["cpu"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
+        assert tune_bf16(weights, head) == (layers, lm_head)  # read back, not timed again
+    assert "cached" in caplog.text and "timed in" not in caplog.text
+    tune_bf16(weights[:1], head)  # other shapes: timed and cached apart
+    assert len(list((tmp_path / "kernel_choice").glob("bf16-*.json"))) == 2
+
+
+def test_a_forced_kernel_this_cpu_lacks_is_named(monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "amx-magic")
+    with pytest.raises(ValueError, match=r"\$LLMACCEL_BF16_KERNEL='amx-magic' is not a kernel this machine has"):
+        tune_bf16([torch.zeros(8, 8, dtype=torch.bfloat16)], None)
+
+
+def test_a_bfloat16_model_runs_its_tuned_choice_in_every_projection(tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16")
+    model = llm.engine.runner.model
+    layers = model.layers[0].qkv.bf16_choice
+    assert layers is not kernel_choice.DEFAULT_CHOICE
+    assert all(m.bf16_choice is layers for layer in model.layers
+               for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
+    assert model.decode_stack.bf16_choice is layers
+    assert model.lm_head.bf16_choice is not kernel_choice.DEFAULT_CHOICE
+    weight = model.layers[0].o.weight
+    x = torch.randn(5, weight.shape[1]).to(torch.bfloat16)
+    assert torch.equal(model.layers[0].o(x), run_bf16(layers.kernel(5), x, weight))

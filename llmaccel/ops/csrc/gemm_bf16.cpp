@@ -93,16 +93,30 @@ void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*
 }
 #endif
 
-// Pair by pair, all rows: the writes run in order and the rows' lines stay in L1 across 16 pairs (row
-// by row, the writes strided by 64-256 bytes cost 3% of a 64-sequence decode step).
+// Sixteen rows' pairs at a time, gathered into one register and stored in order: written one by one
+// (strided by 64-256 bytes) the packing cost 3% of a 64-sequence decode step, each thread packing
+// every projection's input for itself.
 void pack_pairs(const bf16* x, int64_t ldx, int64_t m, int64_t k, std::vector<uint32_t>& out) {
   const int64_t mp = packed_rows(m);
   out.resize(k / 2 * mp);
-  uint32_t* dst = out.data();
-  for (int64_t p = 0; p < k / 2; ++p, dst += mp) {
-    for (int64_t i = 0; i < m; ++i) std::memcpy(dst + i, x + i * ldx + 2 * p, sizeof(uint32_t));
-    for (int64_t i = m; i < mp; ++i) dst[i] = 0;
+  const auto* src = reinterpret_cast<const int*>(x);
+#if defined(__AVX512F__)
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(ldx / 2)));
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 real = m - i0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (m - i0)) - 1);
+    const int* base = src + i0 * (ldx / 2);
+    for (int64_t p = 0; p < k / 2; ++p) {
+      const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, rows, base + p, 4);
+      _mm512_storeu_si512(out.data() + p * mp + i0, pairs);
+    }
   }
+#else
+  for (int64_t p = 0; p < k / 2; ++p) {
+    for (int64_t i = 0; i < m; ++i) std::memcpy(&out[p * mp + i], x + i * ldx + 2 * p, sizeof(uint32_t));
+    for (int64_t i = m; i < mp; ++i) out[p * mp + i] = 0;
+  }
+#endif
 }
 
 }  // namespace llmaccel

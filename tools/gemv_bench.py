@@ -1,5 +1,5 @@
 """One linear layer at a few row counts: oneDNN packed float32, llmaccel's float32 panel kernel, oneDNN's
-bfloat16 GEMM (F.linear) and llmaccel's bfloat16 streaming kernel, torch's INT8 kernel and llmaccel's
+bfloat16 GEMM (F.linear), llmaccel's bfloat16 streaming kernel and AVX512-BF16 GEMM, torch's INT8 kernel and llmaccel's
 INT8/INT4 kernels (ops/gemv.py), with the read rate each reaches.
 The figures in docs/benchmarks.md ("Fast on the machine it lands on") and ops/cpu_linear.py came from
 this comparison.
@@ -40,6 +40,8 @@ def layer_timings(kernels, x, panels, packed, bf16, q8, scale, scale_bf16, q4, s
         "panel-f32": (best_seconds(lambda: [kernels.linear_f32(x, p, n) for p in panels], calls), 4),
         "onednn-bf16": (best_seconds(lambda: [F.linear(x.bfloat16(), w) for w in bf16], calls), 2),
         "stream-bf16": (best_seconds(lambda: [kernels.gemv_bf16(x, w) for w in bf16], calls), 2),
+        **({"gemm-bf16": (best_seconds(lambda: [kernels.gemm_bf16(x.bfloat16(), w) for w in bf16], calls), 2)}
+           if kernels.gemm_bf16_available() else {}),
         "torch-int8": (best_seconds(lambda: [torch._weight_int8pack_mm(x.bfloat16(), q, scale_bf16) for q in q8],
                                     calls), 1),
         "gemv-int8": (best_seconds(lambda: [kernels.gemv_i8(x, q, scale) for q in q8], calls), 1),

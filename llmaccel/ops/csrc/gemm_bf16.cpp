@@ -7,8 +7,9 @@
 // 512-bit register holds 16 rows' pairs (x[i, 2p], x[i, 2p + 1]); each weight pair W[n, 2p..2p+1] is
 // broadcast from its plain row. A tile of 32 rows x 8 columns keeps 16 accumulators in registers, so
 // each weight is read from memory once per 32 rows and from L1 after: 380-410 GFLOP/s at those shapes
-// (tools/gemm_bench.py). Every output sums its pairs in order p = 0, 1, ..., so a row's result does
-// not depend on the tile, the thread or the rows beside it.
+// (tools/gemv_bench.py; ops/kernel_choice.py times it against the others at start). Every output sums
+// its pairs in order p = 0, 1, ..., so a row's result does not depend on the tile, the thread or the
+// rows beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

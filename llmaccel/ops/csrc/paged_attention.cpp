@@ -148,6 +148,70 @@ static inline void score_keys(const scalar_t* k_cache, const int32_t* table, int
 }
 #endif
 
+#if defined(LLMACCEL_ATTENTION_AVX512) && defined(__AVX512BF16__)
+#define LLMACCEL_ATTENTION_BF16_DOT 1
+// The 16 lane sums of p[0..15], in order: 16 horizontal sums in 45 instructions (one at a time took ~10
+// each, and with the widening of every key they were most of a bf16 decode step's attention).
+static inline __m512 lane_sums16(const __m512* p) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane L of pairs[i]: keys 2i, 2i+1, two partial sums each
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // lane L of quads[i]: keys 4i .. 4i + 3, lane L's share of each
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// bfloat16 scores straight from the cache: a query head and a key row meet in vdpbf16ps (DV = head_dim
+// / 32 instructions, no widening), sixteen rows of a block at a time summed by lane_sums16, each score
+// scaled after its sum.
+template <int DV>
+static void score_keys_bf16(const c10::BFloat16* k_cache, const int32_t* table, int64_t first, int64_t context_len,
+                            int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t head_bytes,
+                            const c10::BFloat16* q_group, int64_t group, float scale, int64_t len, float* scores) {
+  auto key = [](const c10::BFloat16* row, int c) {
+    return (__m512bh)_mm512_loadu_si512(row + 32 * c);
+  };
+  for (int64_t t0 = first - first % block_size; t0 < context_len; t0 += block_size) {
+    const c10::BFloat16* block = k_cache + table[t0 / block_size] * block_elems;
+    // row i of the next block is requested as row i of this one is first read (as for_each_row does)
+    const c10::BFloat16* next = t0 + block_size < context_len ? k_cache + table[t0 / block_size + 1] * block_elems
+                                                              : nullptr;
+    const int64_t n = std::min(block_size, context_len - t0);
+    int64_t j = std::max<int64_t>(0, first - t0);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512bh q[DV];
+      for (int c = 0; c < DV; ++c) q[c] = (__m512bh)_mm512_loadu_si512(q_group + h * DV * 32 + 32 * c);
+      float* out = scores + h * len + (t0 - first);
+      int64_t i = j;
+      for (; i + 16 <= n; i += 16) {
+        __m512 p[16];
+        for (int r = 0; r < 16; ++r) {
+          const c10::BFloat16* row = block + (i + r) * row_stride;
+          if (h == 0 && next) prefetch_bytes(next + (i + r) * row_stride, head_bytes);
+          p[r] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], key(row, 0));
+          for (int c = 1; c < DV; ++c) p[r] = _mm512_dpbf16_ps(p[r], q[c], key(row, c));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(scale)));
+      }
+      for (; i < n; ++i) {
+        const c10::BFloat16* row = block + i * row_stride;
+        if (h == 0 && next) prefetch_bytes(next + i * row_stride, head_bytes);
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], key(row, 0));
+        for (int c = 1; c < DV; ++c) acc = _mm512_dpbf16_ps(acc, q[c], key(row, c));
+        out[i] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+}
+#endif
+
 // One (sequence, KV head) item: its `group` query heads share every key and value they read. Pass 1
 // scores every key for the group's heads, reading the blocks' rows in order; then softmax per head;
 // pass 2 sums the weighted values the same way. Separate branch-free loops let the compiler vectorise
@@ -172,6 +236,18 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
 #ifdef LLMACCEL_ATTENTION_AVX512
   const bool wide = head_dim == 64 || head_dim == 128;
+#ifdef LLMACCEL_ATTENTION_BF16_DOT
+  constexpr bool bf16_cache = std::is_same_v<scalar_t, c10::BFloat16>;
+  if (bf16_cache && head_dim == 64)
+    score_keys_bf16<2>(reinterpret_cast<const c10::BFloat16*>(k_cache) + kvh * head_dim, table, first, context_len,
+                       block_size, block_elems, row_stride, head_bytes,
+                       reinterpret_cast<const c10::BFloat16*>(q_group), group, scale, len, scores);
+  else if (bf16_cache && head_dim == 128)
+    score_keys_bf16<4>(reinterpret_cast<const c10::BFloat16*>(k_cache) + kvh * head_dim, table, first, context_len,
+                       block_size, block_elems, row_stride, head_bytes,
+                       reinterpret_cast<const c10::BFloat16*>(q_group), group, scale, len, scores);
+  else
+#endif
   if (head_dim == 64)
     score_keys<4>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
                   head_bytes, qf, group, len, scores);

@@ -142,3 +142,27 @@ def test_random_add_abort_finish_sequences_end_with_every_block_free(ops, token_
     assert pool.ref_counts == [0] * num_blocks
     assert all(r.is_finished for r in live)
     assert sorted(pool.cached.values()) == sorted(b for b, h in enumerate(pool.block_hashes) if h is not None)
+
+
+def test_a_request_waits_a_step_for_the_prompt_blocks_another_admitted_with_it_computes():
+    """a and b share their first two blocks; c shares nothing. b would compute those blocks a second
+    time in a's step, so it waits one step and starts on a's blocks; with prefix caching off nobody waits."""
+    sched = _scheduler(prefix_caching=True)
+    shared = list(range(1, 9))  # two full blocks of four
+    a = Request("a", shared + [20, 21, 22], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = Request("b", shared + [30, 31], SamplingParams(max_tokens=4, ignore_eos=True))
+    c = Request("c", [40, 41, 42, 43, 44], SamplingParams(max_tokens=4, ignore_eos=True))
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan, _ = _step(sched)
+    assert plan == [("a", 11)] and [r.request_id for r in sched.waiting] == ["b", "c"]  # FIFO: c waits behind b
+    assert a.block_ids == [0, 1, 2]
+    plan, _ = _step(sched)
+    assert plan == [("a", 1), ("b", 2), ("c", 5)]
+    assert b.block_ids == [0, 1, 3] and b.num_cached_tokens == 8 and c.block_ids == [4, 5]
+    assert sched.kv_cache.stats.hits == 8
+
+    plain = _scheduler(prefix_caching=False)
+    for rid, prompt in (("a", shared + [20, 21, 22]), ("b", shared + [30, 31])):
+        plain.add_request(Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert _step(plain)[0] == [("a", 11), ("b", 10)]

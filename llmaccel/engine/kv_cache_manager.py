@@ -77,6 +77,13 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def uncached_prefix_hashes(self, request: Request, num_cached_blocks: int) -> list[bytes]:
+        """The hashes of a fresh request's full prompt blocks past its cached prefix (what its prefill
+        will compute and register); none where prefix caching is off."""
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        return self._block_hashes(request, (request.num_tokens - 1) // self.block_size)[num_cached_blocks:]
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached: list[int] | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of `request`, starting it on the `cached` prefix

@@ -4,7 +4,10 @@ There is no prefill phase and no decode phase. Each request has `num_computed_to
 `num_tokens`; each step first gives every running request its next tokens (1 when decoding, a
 chunk when prefilling) within `max_num_batched_tokens`, then admits waiting requests while the
 budget, `max_num_seqs` and free blocks last; a request admitted with a cached prefix (prefix
-caching) starts past it, so only the rest counts against the budget. When a running request cannot
+caching) starts past it, so only the rest counts against the budget. A request whose next prompt
+block a request admitted in the same step is about to compute waits a step, then finds it cached
+(SGLang's in-batch prefix caching): 64 chat requests that arrive together share their system
+prompt's blocks instead of computing them 64 times. When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the head of the queue, to be recomputed later. Chunked prefill falls out of this rule.
 """
@@ -80,9 +83,14 @@ class Scheduler:
             index += 1
 
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
+        in_flight: set[bytes] = set()  # prompt blocks the requests admitted in this step will compute
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request)
+            computes = self.kv_cache.uncached_prefix_hashes(request, len(cached))
+            if computes and computes[0] in in_flight:
+                break  # it waits a step for that block; the first admitted in any step never waits
+            in_flight.update(computes)
             num_cached_tokens = len(cached) * self.kv_cache.block_size
             num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, cached) is None:

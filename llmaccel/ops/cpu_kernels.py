@@ -71,7 +71,10 @@ def load_cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-        key = source + _BUILD_FLAGS_VERSION + _cpu_signature().encode() + torch.__version__.encode()
+        # the sources' directory too: torch's builder writes their absolute paths into the build file,
+        # so two checkouts sharing one build directory recompiled each other's kernels (~100 s a start)
+        key = (source + _BUILD_FLAGS_VERSION + _cpu_signature().encode() + torch.__version__.encode()
+               + str(_CSRC.resolve()).encode())
         digest = hashlib.sha256(key).hexdigest()[:16]
         build_dir = default_cache_dir() / "kernels" / digest
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -33,19 +33,21 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (10, 2, 64), (6, 1, 128), (5, 5, 128)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_bfloat16_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_width_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window, dtype):
     """bf16 caches are widened in registers and a group's heads share each value row (up to four heads a
-    pass at head_dim 64, two at 128): every group size takes its passes."""
+    pass at head_dim 64, two at 128): every group size takes its passes. float16 caches take the portable
+    path (the AVX-512 one once read them as bf16)."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler here: the engine falls back to the reference")
     torch.manual_seed(1)
     block_size, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(dtype)
     lens = torch.tensor([1, 16, 17, 70, 150], dtype=torch.int32)
     tables = torch.randperm(num_blocks)[: 5 * 10].view(5, 10).to(torch.int32)
-    q = torch.randn(5, num_heads, head_dim).to(torch.bfloat16)
+    q = torch.randn(5, num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window or 0, scale)
     want = reference_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, block_size, scale,

@@ -32,6 +32,14 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 bfloat16 as float32 in a register (bf16 is the top half of a float32).
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
 

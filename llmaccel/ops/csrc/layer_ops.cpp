@@ -69,13 +69,9 @@ void over_rows(int64_t rows, int64_t row_cost, Fn fn) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 bfloat16 as float32, and float32 rounded to bfloat16 (to nearest even, NaN to 0x7fc0: c10's rule)
-// returned as the rounded float32 or stored. c10's conversions one element at a time kept the bf16
-// RoPE and norms scalar: 3 ns an element, 5% of a 64-sequence decode step.
-inline __m512 widen16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// float32 rounded to bfloat16 (to nearest even, NaN to 0x7fc0: c10's rule), returned as the rounded
+// float32 or stored; with widen16 (kernels.h) for the loads. c10's conversions one element at a time
+// kept the bf16 RoPE and norms scalar: 3 ns an element, 5% of a 64-sequence decode step.
 inline __m512i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),

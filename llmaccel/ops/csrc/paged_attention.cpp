@@ -85,15 +85,13 @@ static inline void for_each_row(const scalar_t* cache, const int32_t* table, int
 
 #if defined(__AVX512F__) && defined(LLMACCEL_ATTENTION_AVX2)
 #define LLMACCEL_ATTENTION_AVX512 1
-// 16 cache values as float32 (bf16 widened in a register: it is the top half of a float32).
+// 16 cache values as float32 (float32 or bf16 caches only).
 template <typename scalar_t>
 static inline __m512 load16(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, float>)
     return _mm512_loadu_ps(p);
-  } else {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
+  else
+    return llmaccel::widen16(p);
 }
 
 static inline __m256 halves_sum(__m512 v) {
@@ -212,6 +210,58 @@ static void score_keys_bf16(const c10::BFloat16* k_cache, const int32_t* table, 
 }
 #endif
 
+#ifdef LLMACCEL_ATTENTION_AVX512
+// Pass 1 at head_dim 64 or 128 (DV = head_dim / 16): bf16 caches through vdpbf16ps where the CPU has
+// it, else each key widened once into registers against the scaled queries qf.
+template <int DV, typename scalar_t>
+static void score_wide(const scalar_t* k_head, const int32_t* table, int64_t first, int64_t context_len,
+                       int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t head_bytes,
+                       const scalar_t* q_group, const float* qf, int64_t group, float scale, int64_t len,
+                       float* scores) {
+#ifdef LLMACCEL_ATTENTION_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+    return score_keys_bf16<DV / 2>(k_head, table, first, context_len, block_size, block_elems, row_stride,
+                                   head_bytes, q_group, group, scale, len, scores);
+#endif
+  score_keys<DV>(k_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes, qf, group, len,
+                 scores);
+}
+
+// Pass 2 at head_dim 64 or 128: the group's heads in passes of up to 16-24 accumulators (four heads a
+// pass at head_dim 64, two at 128, then the rest).
+template <int DV, typename scalar_t>
+static void weigh_wide(const scalar_t* v_head, const int32_t* table, int64_t first, int64_t context_len,
+                       int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t head_bytes,
+                       const float* scores, int64_t len, int64_t group, float* acc) {
+  for (int64_t h0 = 0; h0 < group;) {
+    const int64_t left = group - h0;
+    if constexpr (DV == 4) {
+      if (left >= 4) {
+        weigh_values<DV, 4>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                            scores, len, h0, acc);
+        h0 += 4;
+        continue;
+      }
+      if (left == 3) {
+        weigh_values<DV, 3>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                            scores, len, h0, acc);
+        h0 += 3;
+        continue;
+      }
+    }
+    if (left >= 2) {
+      weigh_values<DV, 2>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                          scores, len, h0, acc);
+      h0 += 2;
+    } else {
+      weigh_values<DV, 1>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
+                          scores, len, h0, acc);
+      h0 += 1;
+    }
+  }
+}
+#endif
+
 // One (sequence, KV head) item: its `group` query heads share every key and value they read. Pass 1
 // scores every key for the group's heads, reading the blocks' rows in order; then softmax per head;
 // pass 2 sums the weighted values the same way. Separate branch-free loops let the compiler vectorise
@@ -234,35 +284,32 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
   float *qf = scratch.qf.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
   float* widened = scratch.widened.data();
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
+  // float32 and bf16 caches at head_dim 64 or 128 take the AVX-512 passes; float16 and double the
+  // portable ones
 #ifdef LLMACCEL_ATTENTION_AVX512
-  const bool wide = head_dim == 64 || head_dim == 128;
-#ifdef LLMACCEL_ATTENTION_BF16_DOT
-  constexpr bool bf16_cache = std::is_same_v<scalar_t, c10::BFloat16>;
-  if (bf16_cache && head_dim == 64)
-    score_keys_bf16<2>(reinterpret_cast<const c10::BFloat16*>(k_cache) + kvh * head_dim, table, first, context_len,
-                       block_size, block_elems, row_stride, head_bytes,
-                       reinterpret_cast<const c10::BFloat16*>(q_group), group, scale, len, scores);
-  else if (bf16_cache && head_dim == 128)
-    score_keys_bf16<4>(reinterpret_cast<const c10::BFloat16*>(k_cache) + kvh * head_dim, table, first, context_len,
-                       block_size, block_elems, row_stride, head_bytes,
-                       reinterpret_cast<const c10::BFloat16*>(q_group), group, scale, len, scores);
-  else
-#endif
-  if (head_dim == 64)
-    score_keys<4>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
-                  head_bytes, qf, group, len, scores);
-  else if (head_dim == 128)
-    score_keys<8>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
-                  head_bytes, qf, group, len, scores);
-  else
+  constexpr bool widens = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool wide = widens && (head_dim == 64 || head_dim == 128);
 #else
   const bool wide = false;
 #endif
-  for_each_row(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-               [&](const scalar_t* row, int64_t t) {
-                 const float* key = as_floats(row, head_dim, widened);
-                 for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * head_dim, key, head_dim);
-               });
+  if (wide) {
+#ifdef LLMACCEL_ATTENTION_AVX512
+    if constexpr (widens) {
+      if (head_dim == 64)
+        score_wide<4>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                      head_bytes, q_group, qf, group, scale, len, scores);
+      else
+        score_wide<8>(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                      head_bytes, q_group, qf, group, scale, len, scores);
+    }
+#endif
+  } else {
+    for_each_row(k_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                 head_bytes, [&](const scalar_t* row, int64_t t) {
+                   const float* key = as_floats(row, head_dim, widened);
+                   for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * head_dim, key, head_dim);
+                 });
+  }
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -273,39 +320,18 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
     for (int64_t t = 0; t < len; ++t) total += s[t];
     scratch.inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
   }
-#ifdef LLMACCEL_ATTENTION_AVX512
   if (wide) {
-    const scalar_t* v_head = v_cache + kvh * head_dim;
-    for (int64_t h0 = 0; h0 < group;) {  // up to 24 accumulators a pass
-      const int64_t left = group - h0;
-      if (head_dim == 64 && left >= 4) {
-        weigh_values<4, 4>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                           scores, len, h0, acc);
-        h0 += 4;
-      } else if (head_dim == 64 && left == 3) {
-        weigh_values<4, 3>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                           scores, len, h0, acc);
-        h0 += 3;
-      } else if (left >= 2) {
-        if (head_dim == 64)
-          weigh_values<4, 2>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                             scores, len, h0, acc);
-        else
-          weigh_values<8, 2>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                             scores, len, h0, acc);
-        h0 += 2;
-      } else {
-        if (head_dim == 64)
-          weigh_values<4, 1>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                             scores, len, h0, acc);
-        else
-          weigh_values<8, 1>(v_head, table, first, context_len, block_size, block_elems, row_stride, head_bytes,
-                             scores, len, h0, acc);
-        h0 += 1;
-      }
+#ifdef LLMACCEL_ATTENTION_AVX512
+    if constexpr (widens) {
+      if (head_dim == 64)
+        weigh_wide<4>(v_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                      head_bytes, scores, len, group, acc);
+      else
+        weigh_wide<8>(v_cache + kvh * head_dim, table, first, context_len, block_size, block_elems, row_stride,
+                      head_bytes, scores, len, group, acc);
     }
-  } else
 #endif
+  } else
 #ifdef LLMACCEL_ATTENTION_AVX2
   if (head_dim % 64 == 0) {
     // A head's 64-wide slice of its output sits in eight registers while every value row passes (the

@@ -86,14 +86,6 @@ LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, cons
     column_block<kTileCols>(packed, m, w, k, n, y, ldy, n + 2 * kTileCols <= n1);
   for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false);
 }
-#else
-bool bf16_gemm_compiled() { return false; }
-
-void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
-}
-#endif
-
 // Sixteen rows' pairs at a time, gathered into one register and stored in order: written one by one
 // (strided by 64-256 bytes) the packing cost 3% of a 64-sequence decode step, each thread packing
 // every projection's input for itself.
@@ -101,7 +93,6 @@ void pack_pairs(const bf16* x, int64_t ldx, int64_t m, int64_t k, std::vector<ui
   const int64_t mp = packed_rows(m);
   out.resize(k / 2 * mp);
   const auto* src = reinterpret_cast<const int*>(x);
-#if defined(__AVX512F__)
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(ldx / 2)));
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
@@ -112,13 +103,19 @@ void pack_pairs(const bf16* x, int64_t ldx, int64_t m, int64_t k, std::vector<ui
       _mm512_storeu_si512(out.data() + p * mp + i0, pairs);
     }
   }
-#else
-  for (int64_t p = 0; p < k / 2; ++p) {
-    for (int64_t i = 0; i < m; ++i) std::memcpy(&out[p * mp + i], x + i * ldx + 2 * p, sizeof(uint32_t));
-    for (int64_t i = m; i < mp; ++i) out[p * mp + i] = 0;
-  }
-#endif
 }
+
+#else
+bool bf16_gemm_compiled() { return false; }
+
+void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
+}
+
+void pack_pairs(const bf16*, int64_t, int64_t, int64_t, std::vector<uint32_t>&) {
+  TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
+}
+#endif
 
 }  // namespace llmaccel
 

@@ -77,7 +77,6 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
         return None
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, model.norm.weight.data)
-    plain_bf16 = None
     for i, layer in enumerate(model.layers):
         modules = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
         parts = [stack_linear(kernels, m) for m in modules]
@@ -91,6 +90,6 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])
             return None
-        plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.weight is not None),
-                          plain_bf16)
+    # every layer's plain bf16 projections share the layers' kernel choice (model/llama.choose_bf16_kernels)
+    plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.weight is not None), None)
     return DecodeStack(stack, dtype, plain_bf16)

@@ -122,15 +122,9 @@ def _fastest(weights: list[torch.Tensor], buckets: tuple[int, ...], kernels: tup
     """The kernel with the least total time over `weights` at each bucket."""
     chosen = []
     for rows in buckets:
-        totals = {}
-        for kernel in kernels:
-            if kernel == "stream" and rows > STREAM_MAX_ROWS:
-                continue
-            total = 0.0
-            for w in weights:
-                x = torch.randn(rows, w.shape[1]).to(torch.bfloat16)
-                total += _median_seconds(kernel, x, w)
-            totals[kernel] = total
+        xs = [torch.randn(rows, w.shape[1]).to(torch.bfloat16) for w in weights]
+        totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
+                  for kernel in kernels if kernel != "stream" or rows <= STREAM_MAX_ROWS}
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         chosen.append((rows, min(totals, key=totals.get)))
     return Bf16Choice(tuple(chosen))

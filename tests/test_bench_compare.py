@@ -98,6 +98,7 @@ def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_pa
     assert [s["label"] for s in record["systems"]] == ["tiny-int8", "stand-in"]
     assert record["commands"]["stand-in"][-2:] == ["--num-kv-blocks", "64"]
     assert record["machine"]["cpu"] and record["machine"]["read_bandwidth_gbps"] > 0
+    assert all(len(s["single"]["read_bandwidth_gbps_around"]) == 2 for s in record["systems"])
     for s in record["systems"]:
         assert s["single"]["total_output_tokens"] == 10 and s["concurrent"]["total_output_tokens"] == 24
         assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20

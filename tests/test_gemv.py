@@ -1,4 +1,4 @@
-"""The weight-streaming kernels (ops/csrc/gemv.cpp, ops/csrc/linear_f32.cpp) against float references,
+"""The weight-streaming kernels (ops/csrc/gemv.cpp, gemv_int4.cpp, linear_f32.cpp) against float references,
 and their layouts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmaccel.model.layers import Linear
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_rows, to_panels
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, to_panels
 
 kernels = gemv_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable or without AVX2 on this machine")
@@ -73,19 +73,51 @@ def test_int8_is_the_q8_activation_product(rows, grouped):
     assert relative_error(kernels.gemv_i8(x, q, scale), x @ (q.float() * full).t()) < 2e-2
 
 
-def test_int4_packing_order_and_product():
-    q = torch.arange(64).remainder(16).view(1, 64)
-    packed = pack_int4_rows(q)
-    assert packed.tolist() == [[j | (j << 4) for j in range(16)] * 2]  # byte j: input j low, j + 16 high
-    gen = torch.Generator().manual_seed(1)
-    n, k = 33, 128
+def test_int4_block_layout():
+    """Byte 4 r + j of chunk t: row r's input 8 t + j (low nibble) and 8 t + 4 + j (high); then the
+    16 scales and 16 offsets as float16; rows past N are zero."""
+    n, k = 20, 64
+    q = (torch.arange(n)[:, None] + torch.arange(k)[None, :]).remainder(16)
+    scale = torch.arange(n * 2, dtype=torch.float32).view(n, 2) + 1
+    blocks = pack_int4_blocks(q, scale, -scale)
+    assert blocks.shape == (2, 2, 320) and blocks.dtype == torch.uint8
+    for g, b, t, r, j in ((0, 0, 0, 0, 0), (0, 1, 3, 15, 3), (1, 0, 2, 3, 1), (1, 1, 1, 2, 2)):
+        row, col = 16 * g + r, 32 * b + 8 * t + j
+        assert blocks[g, b, 64 * t + 4 * r + j] == q[row, col] | (q[row, col + 4] << 4)
+    halves = blocks[1, 1, 256:].view(torch.float16)
+    assert halves[:4].tolist() == scale[16:, 1].tolist() and halves[16:20].tolist() == (-scale[16:, 1]).tolist()
+    assert not blocks[1, :, :256].reshape(-1, 16, 4)[:, 4:].any() and not halves[4:16].any()  # padding rows
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+@pytest.mark.parametrize(("n", "k"), [(33, 128), (64, 576), (5, 32)])
+def test_int4_is_the_q8_activation_product(rows, n, k):
+    """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products,
+    each block's sum scaled once; and within a float tolerance of the plain product."""
+    gen = torch.Generator().manual_seed(rows * n)
     q = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.rand(n, k // BLOCK, generator=gen).half()
     offset = torch.randn(n, k // BLOCK, generator=gen).half()
     w = q.float() * scale.float().repeat_interleave(BLOCK, 1) + offset.float().repeat_interleave(BLOCK, 1)
-    for rows in (1, 4, 17):
-        x = torch.randn(rows, k, generator=gen)
-        assert relative_error(kernels.gemv_i4(x, pack_int4_rows(q), scale, offset), x @ w.t()) < 2e-2
+    x = torch.randn(rows, k, generator=gen)
+    blocks = x.view(rows, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks / d) * d).view(rows, k)
+    got = kernels.gemv_i4(x, pack_int4_blocks(q, scale, offset), n)
+    assert got.shape == (rows, n)
+    assert relative_error(got.double(), xq.double() @ w.double().t()) < 1e-5
+    assert relative_error(got, x @ w.t()) < 2e-2
+
+
+def test_int4_is_batch_invariant():
+    gen = torch.Generator().manual_seed(5)
+    n, k = 100, 576
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    blocks = pack_int4_blocks(q, torch.rand(n, k // BLOCK, generator=gen), torch.randn(n, k // BLOCK, generator=gen))
+    x = torch.randn(70, k, generator=gen)
+    batch = kernels.gemv_i4(x, blocks, n)
+    for first, count in ((0, 1), (3, 1), (69, 1), (5, 3), (1, 64)):
+        assert torch.equal(kernels.gemv_i4(x[first:first + count], blocks, n), batch[first:first + count])
 
 
 def test_shapes_are_checked():
@@ -95,6 +127,8 @@ def test_shapes_are_checked():
         kernels.linear_f32(torch.randn(1, 32), to_panels(torch.randn(3, 64)), 3)
     with pytest.raises(RuntimeError, match="does not fit"):
         kernels.linear_f32(torch.randn(1, 64), to_panels(torch.randn(3, 64)), 17)
+    with pytest.raises(RuntimeError, match="does not fit 2 groups"):
+        kernels.gemv_i4(torch.randn(1, 64), torch.zeros(2, 2, 320, dtype=torch.uint8), 33)
     with pytest.raises(RuntimeError, match="scale must be"):
         kernels.gemv_i8(torch.randn(1, 64), torch.zeros(3, 64, dtype=torch.int8), torch.ones(4))
 

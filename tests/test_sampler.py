@@ -1,12 +1,14 @@
-"""Batched sampling: exact math of penalties, masks and logprobs; seeds independent of the batch."""
+"""Batched sampling: exact math of penalties, masks and logprobs; seeds independent of the batch; the
+C++ draw against the torch path."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from llmaccel.sampler import Sampler, SamplingRow
+from llmaccel.sampler import Sampler, SamplingRow, draw_reference, sampling_kernels
 from llmaccel.sampling_params import SamplingParams
 
 
@@ -80,3 +82,70 @@ def test_a_seeded_row_samples_the_same_whatever_shares_its_batch():
     rows[3] = _row(params, generator=_seeded(42))
     batched = sampler.sample(logits, rows)[0][3]
     assert alone == [batched]
+
+
+def _draws(logits, params, uniforms, use_kernel):
+    """Tokens drawn for one row of logits at each uniform number, by the C++ kernel or the torch path."""
+    sampler = Sampler(logits.shape[-1], torch.device("cpu"))
+    rows = [_row(params)] * len(uniforms)
+    batch = logits.expand(len(uniforms), -1).contiguous()
+    uniform = torch.tensor(uniforms, dtype=torch.float64)
+    if use_kernel:
+        p = params
+        column = torch.tensor
+        tokens, _ = kernels.sample_rows(batch, column([p.temperature] * len(rows)), column([p.top_k] * len(rows)),
+                                        column([p.top_p] * len(rows)), column([p.min_p] * len(rows)), uniform)
+        return tokens.tolist()
+    return draw_reference(sampler._probs(batch, rows), uniform)[0].tolist()
+
+
+kernels = sampling_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable on this machine")
+
+
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_kernel), False])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3),
+                                    SamplingParams(temperature=1.2, top_p=0.8), SamplingParams(min_p=0.2)])
+def test_the_inverse_cdf_draw_hits_each_token_in_proportion(params, use_kernel):
+    """Evenly spaced uniforms give each kept token a count within one of probability x N, in vocabulary
+    order; tokens cut by top-k / top-p / min-p and masked (-inf) tokens are never drawn."""
+    logits = torch.tensor([[0.5, -1.0, 2.0, float("-inf"), 1.0, 0.0, 1.5, -3.0]])
+    sampler = Sampler(8, torch.device("cpu"))
+    probs = sampler._probs(logits, [_row(params)])[0].double()
+    probs /= probs.sum()
+    n = 2000
+    tokens = _draws(logits, params, [(j + 0.5) / n for j in range(n)], use_kernel)
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).double()
+    assert (counts - probs * n).abs().max() <= 1
+    assert counts[3] == 0 and tokens == sorted(tokens)  # the masked token; the scan runs in vocabulary order
+    if params.top_k == 3:
+        assert set(tokens) == {2, 4, 6}
+
+
+@needs_kernel
+def test_the_kernel_draws_the_reference_token():
+    """The C++ draw and the torch path pick the same token for the same uniform number, over random
+    vocabularies, temperatures and every truncation (top-k beyond the vocabulary, top-p, min-p, mixed)."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        vocab, batch = int(torch.randint(2, 3000, (1,), generator=gen)), 8
+        logits = torch.randn(batch, vocab, generator=gen) * float(torch.rand(1, generator=gen) * 6)
+        temps = torch.rand(batch, generator=gen) * 2 + 0.05
+        top_k = torch.randint(0, vocab + 5, (batch,), generator=gen) * (torch.rand(batch, generator=gen) < 0.5)
+        top_p = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.rand(batch, generator=gen), torch.ones(batch))
+        min_p = torch.where(torch.rand(batch, generator=gen) < 0.3, torch.rand(batch, generator=gen) * 0.3,
+                            torch.zeros(batch))
+        uniform = torch.rand(batch, generator=gen, dtype=torch.float64)
+        tokens, top = kernels.sample_rows(logits, temps, top_k, top_p, min_p, uniform)
+        rows = [_row(SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m)))
+                for t, k, p, m in zip(temps, top_k, top_p, min_p, strict=True)]
+        want, want_top = draw_reference(Sampler(vocab, torch.device("cpu"))._probs(logits, rows), uniform)
+        assert tokens.tolist() == want.tolist()
+        assert torch.allclose(top, want_top.float(), rtol=1e-4)
+
+
+@needs_kernel
+def test_top_k_keeps_exactly_k_of_tied_tokens():
+    logits = torch.zeros(1, 10)  # ten equal tokens: the first three in vocabulary order form the top 3
+    tokens = _draws(logits, SamplingParams(top_k=3), [(j + 0.5) / 30 for j in range(30)], use_kernel=True)
+    assert tokens == [0] * 10 + [1] * 10 + [2] * 10

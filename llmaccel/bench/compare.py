@@ -29,7 +29,7 @@ import httpx
 from llmaccel.bench import datasets
 from llmaccel.bench.serve import add_arguments as add_serve_arguments
 from llmaccel.bench.serve import run_benchmark, tokenizer_for
-from llmaccel.platform import machine_record
+from llmaccel.platform import machine_record, read_bandwidth_gbps
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -121,8 +121,13 @@ def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_bo
     warm = datasets.SampleRequest("Hello!", 0, 8)
     progress = not args.no_progress
     asyncio.run(run_benchmark(bench, [warm], tokenizer, float("inf"), 1, progress=False))
+    # the read bandwidth on either side of the lone request: this machine's moves by a third within
+    # minutes, and a lone request's share of its bandwidth ceiling is only as good as the reading
+    bandwidth = [read_bandwidth_gbps()]
     single = asyncio.run(run_benchmark(bench, [single_prompt] * args.single_repeat, tokenizer, float("inf"), 1,
                                        progress=progress))
+    bandwidth.append(read_bandwidth_gbps())
+    single["read_bandwidth_gbps_around"] = [round(b, 1) for b in bandwidth]
     burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
     loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
                                        progress=progress))

@@ -34,14 +34,14 @@ def stack_linear(kernels, module: nn.Module):
     """The module's weights as the stack reads them, or None where their layout is not one it reads."""
     bias = getattr(module, "bias", None)
     if isinstance(module, Linear) and module.panels is not None:
-        return kernels.stack_linear("f32", module.panels, None, None, bias, module.out_features)
+        return kernels.stack_linear("f32", module.panels, None, bias, module.out_features)
     if (isinstance(module, Linear) and module.weight is not None and module.weight.dtype == torch.bfloat16
             and module.weight.device.type == "cpu"):
-        return kernels.stack_linear("bf16", module.weight, None, None, bias, module.out_features)
+        return kernels.stack_linear("bf16", module.weight, None, bias, module.out_features)
     if isinstance(module, Int8Linear) and module.streams:
-        return kernels.stack_linear("int8", module.q, module.scale, None, bias, module.out_features)
+        return kernels.stack_linear("int8", module.q, module.scale, bias, module.out_features)
     if isinstance(module, Int4Linear) and module._gemv is not None:
-        return kernels.stack_linear("int4", module.packed, module.scale16, module.offset16, bias, module.out_features)
+        return kernels.stack_linear("int4", module.blocks, None, bias, module.out_features)
     return None
 
 

@@ -35,12 +35,25 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """Unpacked INT4 values q [N, K] (0..15) -> uint8 [N, K / 2] in the kernel's order: within each
-    32-wide group, byte j holds input j in its low nibble and input j + 16 in its high nibble."""
+INT4_GROUP = 16  # weight rows a group of the INT4 kernel's blocks
+
+
+def pack_int4_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """INT4 weights w = q * scale + offset (q [N, K] in 0..15, scale and offset [N, K / 32]) -> the
+    kernel's blocks, uint8 [ceil(N / 16), K / 32, 320] (csrc/gemv_int4.cpp): per 16 rows and 32 inputs,
+    4 chunks of 64 bytes where byte 4 r + j of chunk t holds row r's input 8 t + j in its low nibble and
+    8 t + 4 + j in its high nibble, then the 16 scales and the 16 offsets as float16. Rows past N are zero."""
     n, k = q.shape
-    groups = q.to(torch.uint8).view(n, k // BLOCK, 2, BLOCK // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    groups, nb = -(-n // INT4_GROUP), k // BLOCK
+    pad = groups * INT4_GROUP - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(groups, INT4_GROUP, nb, 4, 2, 4)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, chunk, row, j]
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> float16 bytes [G, nb, 32]
+        t = torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view(groups, INT4_GROUP, nb).transpose(1, 2)
+        return t.contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles.reshape(groups, nb, 256), halves(scale), halves(offset)], dim=2).contiguous()
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -68,7 +81,7 @@ def _self_check(kernels: ModuleType) -> str | None:
         s4 = torch.rand(n, k // BLOCK, generator=gen).half()
         o4 = torch.randn(n, k // BLOCK, generator=gen).half()
         deq = q4.float() * s4.float().repeat_interleave(BLOCK, 1) + o4.float().repeat_interleave(BLOCK, 1)
-        if _relative_error(kernels.gemv_i4(x, pack_int4_rows(q4), s4, o4), x @ deq.t()) > 2e-2:
+        if _relative_error(kernels.gemv_i4(x, pack_int4_blocks(q4, s4, o4), n), x @ deq.t()) > 2e-2:
             return "gemv_i4"
     return None
 

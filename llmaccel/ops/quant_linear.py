@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_rows
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -163,11 +163,11 @@ class Int4Linear(nn.Module):
         self.bias = bias
         streams = device.type == "cpu" and use_kernel is not False
         self._gemv = gemv_kernels() if streams else None
-        if self._gemv is not None:  # llmaccel's kernel at every row count: its own layout, scales in float16
+        if self._gemv is not None:  # llmaccel's kernel at every row count: its own blocks, scales in float16
             repeats = self.group_size // BLOCK
-            self.packed = pack_int4_rows(unpack_int4(weight.packed))
-            self.scale16 = weight.scale.repeat_interleave(repeats, dim=1).half().contiguous()
-            self.offset16 = (weight.zero - 8 * weight.scale).repeat_interleave(repeats, dim=1).half().contiguous()
+            scale = weight.scale.repeat_interleave(repeats, dim=1)
+            offset = (weight.zero - 8 * weight.scale).repeat_interleave(repeats, dim=1)
+            self.blocks = pack_int4_blocks(unpack_int4(weight.packed), scale, offset)
             self.use_kernel = True
             return
         if use_kernel is None:
@@ -185,14 +185,14 @@ class Int4Linear(nn.Module):
     def weight_bytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         if self._gemv is not None:
-            return self.packed.numel() + (self.scale16.numel() + self.offset16.numel()) * 2 + bias
+            return self.blocks.numel() + bias
         if self.use_kernel:
             return self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias
         return self.weight.nbytes + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv is not None:
-            out = self._gemv.gemv_i4(x, self.packed, self.scale16, self.offset16).to(x.dtype)
+            out = self._gemv.gemv_i4(x, self.blocks, self.out_features).to(x.dtype)
         elif self.use_kernel:
             out = int4_matmul(x, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         else:

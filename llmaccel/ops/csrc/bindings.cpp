@@ -5,7 +5,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, int64_t window, double scale);
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor offset);
+torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n);
 bool gemv_vectorized();
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor positions, torch::Tensor cos,
@@ -22,6 +22,8 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
 bool gemm_bf16_available();
+std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                                       torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
 namespace llmaccel {
 void bind_decode_stack(pybind11::module& m);
 }
@@ -29,7 +31,7 @@ void bind_decode_stack(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("gemv_i8", &gemv_i8, "x @ w.T for few rows, INT8 weights, INT8 activations in blocks of 32");
-  m.def("gemv_i4", &gemv_i4, "x @ w.T for few rows, INT4 weights in groups of 32, INT8 activations");
+  m.def("gemv_i4", &gemv_i4, "x @ w.T, INT4 weights in 16-row blocks of 32 inputs, INT8 activations");
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots");
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");
   m.def("linear_f32", &linear_f32, "x @ w.T, float32 weights in panels of 16 columns, any row count");
@@ -39,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given");
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows");
+  m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF");
   llmaccel::bind_decode_stack(m);
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");
 }

@@ -29,7 +29,7 @@ namespace llmaccel {
 // A projection's weights in one of the kernels' layouts.
 struct StackLinear {
   enum Kind { kF32Panels, kBf16, kInt8, kInt4 } kind;
-  torch::Tensor weight, scale, offset, bias;  // scale/offset: INT8 float32 scales, INT4 float16 pairs
+  torch::Tensor weight, scale, bias;  // scale: INT8 float32 scales (INT4 blocks hold their own)
   int64_t n = 0, k = 0;
 
   bool quantized() const { return kind == kInt8 || kind == kInt4; }
@@ -46,16 +46,15 @@ struct StackLinear {
     else if (kind == kInt8)
       i8_columns(a, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.dim() == 2, y, ldy, m, k, c0, c1);
     else
-      i4_columns(a, weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
-                 reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>()), y, ldy, m, k, c0, c1);
+      i4_groups(a, weight.data_ptr<uint8_t>(), y, ldy, m, k, n, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
   }
 };
 
 std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor weight,
-                                          c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> offset,
-                                          c10::optional<torch::Tensor> bias, int64_t n) {
+                                          c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                                          int64_t n) {
   auto out = std::make_shared<StackLinear>();
-  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D (integers) or 3-D (panels)");
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D or 3-D (panels, INT4 blocks)");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   out->weight = weight;
   out->n = n;
@@ -80,16 +79,11 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
                 "int8 scales must be contiguous float32 [N] or [N, K / 32]");
     out->scale = *scale;
   } else if (kind == "int4") {
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.size(0) == n,
-                "int4 weights must be uint8 [N, K / 2]");
+    TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == 320,
+                "int4 weights must be uint8 blocks [ceil(N / 16), K / 32, 320]");
+    TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the int4 blocks");
     out->kind = StackLinear::kInt4;
-    out->k = weight.size(1) * 2;
-    for (const auto* t : {&scale, &offset})
-      TORCH_CHECK(*t && (*t)->scalar_type() == torch::kHalf && (*t)->is_contiguous() && (*t)->dim() == 2 &&
-                      (*t)->size(0) == n && (*t)->size(1) == out->k / kBlock,
-                  "int4 scales and offsets must be contiguous float16 [N, K / 32]");
-    out->scale = *scale;
-    out->offset = *offset;
+    out->k = weight.size(1) * kBlock;
   } else {
     TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, int8 or int4)");
   }
@@ -430,7 +424,7 @@ void bind_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear");
   m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
-        py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("n"));
+        py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)

@@ -57,9 +57,10 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
 // INT8 weights w [N, K] with one scale per row (grouped == false) or per 32 inputs ([N, K / 32]).
 void i8_columns(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t ldy,
                 int64_t m, int64_t k, int64_t n0, int64_t n1);
-// INT4 weights packed [N, K / 2], float16 scales and offsets [N, K / 32] (bits as uint16).
-void i4_columns(const QuantizedRows& a, const uint8_t* packed, const uint16_t* scale, const uint16_t* offset,
-                float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+// INT4 weights in gemv_int4.cpp's blocks [ceil(N / 16), K / 32, 320]: the row groups g0 .. g1 - 1, i.e.
+// output columns 16 g0 .. min(16 g1, n) - 1.
+void i4_groups(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k,
+               int64_t n, int64_t g0, int64_t g1);
 // Float32 weights in panels [ceil(N / 16), K, 16]: the panels p0 .. p1 - 1, i.e. columns 16 p0 .. <= 16 p1.
 // bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1.
 void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0,

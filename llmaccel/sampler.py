@@ -60,7 +60,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._adjust(logits, rows)
         all_greedy = all(r.params.greedy for r in rows)  # known on the host: no device sync
-        tokens = logits.argmax(dim=-1)
+        kernels = sampling_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        fast = kernels is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0
+        tokens = kernels.argmax_rows(logits) if fast else logits.argmax(dim=-1)
         top = None
         if confidence or not all_greedy:
             drawn, top_probs = self._draw(logits, rows)
@@ -181,6 +183,10 @@ def _check_kernel(kernels) -> str | None:
     temps, top_k = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0]), torch.tensor([0, 40, 0, 5, 0, 300])
     top_p, min_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 0.95]), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.05])
     tokens, _ = kernels.sample_rows(logits, temps, top_k, top_p, min_p, uniform)
+    tied = logits.clone()
+    tied[2, 7], tied[4, 3] = tied[2].max(), float("nan")  # ties and NaN: the first index wins, as in torch
+    if not torch.equal(kernels.argmax_rows(tied), tied.argmax(-1)):
+        return "argmax_rows"
     rows = [SamplingRow(SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m)), [], [],
                         None) for t, k, p, m in zip(temps, top_k, top_p, min_p, strict=True)]
     want, _ = draw_reference(Sampler(1000, torch.device("cpu"))._probs(logits, rows), uniform)

@@ -149,3 +149,13 @@ def test_top_k_keeps_exactly_k_of_tied_tokens():
     logits = torch.zeros(1, 10)  # ten equal tokens: the first three in vocabulary order form the top 3
     tokens = _draws(logits, SamplingParams(top_k=3), [(j + 0.5) / 30 for j in range(30)], use_kernel=True)
     assert tokens == [0] * 10 + [1] * 10 + [2] * 10
+
+
+@needs_kernel
+def test_the_kernel_argmax_is_torchs():
+    logits = torch.randn(70, 5000, generator=torch.Generator().manual_seed(2))
+    logits[3, 10] = logits[3, 4000] = 99.0  # a tie: the first index
+    logits[5, 20] = float("nan")  # NaN counts as the largest, as in torch
+    logits[6] = float("-inf")
+    assert kernels.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    assert kernels.argmax_rows(logits[:, :4000]).tolist() == logits[:, :4000].argmax(-1).tolist()  # strided rows

@@ -22,6 +22,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
 bool gemm_bf16_available();
+torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
 namespace llmaccel {
@@ -41,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given");
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel");
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF");
   llmaccel::bind_decode_stack(m);
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");

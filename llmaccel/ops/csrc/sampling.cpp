@@ -119,10 +119,65 @@ RowResult draw(const float* e, int64_t v, int64_t top_k, float top_p, float min_
   return {kept.back(), static_cast<float>(1.0 / kept_mass)};
 }
 
+// The first index of the largest value of row[0 .. v), or of the first NaN.
+int64_t first_max(const float* row, int64_t v) {
+  int64_t i = 0;
+  float peak = row[0];
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(row[0]);
+  __mmask16 nan = 0;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 x = _mm512_loadu_ps(row + i);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, x);
+  }
+  peak = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best);
+#endif
+  for (; i < v; ++i) {
+    if (row[i] != row[i]) {
+      peak = row[i];
+      break;
+    }
+    peak = row[i] > peak ? row[i] : peak;
+  }
+  int64_t at = 0;
+  if (peak != peak) {
+    while (row[at] == row[at]) ++at;
+    return at;
+  }
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(peak);
+  for (; at + 16 <= v; at += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + at), target, _CMP_EQ_OQ);
+    if (hit) return at + __builtin_ctz(hit);
+  }
+#endif
+  while (row[at] != peak) ++at;
+  return at;
+}
+
 }  // namespace
 }  // namespace llmaccel
 
 using namespace llmaccel;
+
+// The first index of each row's largest value (of its first NaN, as torch.argmax), the rows split
+// between the threads: torch's argmax took 1.4 ms over 64 rows of 49,152 logits, 2% of a decode step.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0,
+              "logits must be float32 [B, V] with contiguous rows");
+  const int64_t rows = logits.size(0), v = logits.size(1), ld = logits.stride(0);
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      op[r] = first_max(lp + r * ld, v);
+    }
+  });
+  return out;
+}
 
 // logits float32 [B, V] (rows may be strided, columns contiguous); per row: temperature > 0, top_k (0 or
 // >= V: none), top_p in (0, 1], min_p in [0, 1], and one uniform number in [0, 1) (float64).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmaccel.model.layers import Linear
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, to_panels
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, int8_block_rows, pack_int4_blocks, pack_int8_blocks, to_panels
 
 kernels = gemv_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable or without AVX2 on this machine")
@@ -55,22 +55,57 @@ def test_tied_table_rows_come_from_the_panels():
     assert linear.weight_bytes == 64 * 64 * 4  # 50 rows padded to 64: the one copy it holds
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 64])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_int8_is_the_q8_activation_product(rows, grouped):
-    """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products."""
+    """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products
+    (the stored +128 taken off exactly), each block's sum scaled once."""
     gen = torch.Generator().manual_seed(rows)
     n, k = 70, 192
     x = torch.randn(rows, k, generator=gen)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)  # (AVX2's sign trick: not -128)
     scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
     blocks = x.view(rows, k // BLOCK, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     xq = (torch.round(blocks / d) * d).view(rows, k)  # the activations as the kernel sees them
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     want = xq.double() @ (q.double() * full.double()).t()
-    assert relative_error(kernels.gemv_i8(x, q, scale).double(), want) < 1e-5
-    assert relative_error(kernels.gemv_i8(x, q, scale), x @ (q.float() * full).t()) < 2e-2
+    got = kernels.gemv_i8(x, *pack_int8_blocks(q, scale), n)
+    assert got.shape == (rows, n)
+    assert relative_error(got.double(), want) < 1e-5
+    assert relative_error(got, x @ (q.float() * full).t()) < 2e-2
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_block_layout_and_rows(grouped):
+    """Byte 4 r + j of chunk t: row r's input 4 t + j plus 128; per-32 scales after the weights; the
+    embedding lookup reads rows back from the blocks exactly."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 21, 64
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
+    blocks, row_scale = pack_int8_blocks(q, scale)
+    assert blocks.shape == (2, 2, 576 if grouped else 512) and (row_scale is None) == grouped
+    for g, b, t, r, j in ((0, 0, 0, 0, 0), (0, 1, 7, 15, 3), (1, 0, 2, 4, 1)):
+        assert int(blocks[g, b, 64 * t + 4 * r + j]) == int(q[16 * g + r, 32 * b + 4 * t + j]) + 128
+    if grouped:
+        assert blocks[1, 1, 512:].view(torch.float32)[:5].tolist() == scale[16:, 1].tolist()
+    else:
+        assert row_scale[:n].tolist() == scale.tolist() and not row_scale[n:].any()
+    full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
+    ids = torch.tensor([0, 20, 17, 3, 20])
+    assert torch.equal(int8_block_rows(blocks, row_scale, ids), (q.float() * full)[ids])
+
+
+def test_int8_is_batch_invariant():
+    gen = torch.Generator().manual_seed(6)
+    n, k = 100, 576
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    packed = pack_int8_blocks(q, torch.rand(n, k // BLOCK, generator=gen))
+    x = torch.randn(70, k, generator=gen)
+    batch = kernels.gemv_i8(x, *packed, n)
+    for first, count in ((0, 1), (3, 1), (69, 1), (5, 3), (1, 64)):
+        assert torch.equal(kernels.gemv_i8(x[first:first + count], *packed, n), batch[first:first + count])
 
 
 def test_int4_block_layout():
@@ -121,16 +156,16 @@ def test_int4_is_batch_invariant():
 
 
 def test_shapes_are_checked():
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.gemv_i8(torch.randn(1, 40), torch.zeros(3, 40, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"blocks must be contiguous uint8 \[ceil\(N / 16\), K / 32, 512\]"):
+        kernels.gemv_i8(torch.randn(1, 64), torch.zeros(1, 2, 576, dtype=torch.uint8), torch.ones(16), 3)
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
         kernels.linear_f32(torch.randn(1, 32), to_panels(torch.randn(3, 64)), 3)
     with pytest.raises(RuntimeError, match="does not fit"):
         kernels.linear_f32(torch.randn(1, 64), to_panels(torch.randn(3, 64)), 17)
     with pytest.raises(RuntimeError, match="does not fit 2 groups"):
         kernels.gemv_i4(torch.randn(1, 64), torch.zeros(2, 2, 320, dtype=torch.uint8), 33)
-    with pytest.raises(RuntimeError, match="scale must be"):
-        kernels.gemv_i8(torch.randn(1, 64), torch.zeros(3, 64, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="row_scale must be"):
+        kernels.gemv_i8(torch.randn(1, 64), torch.zeros(1, 2, 512, dtype=torch.uint8), torch.ones(4), 3)
 
 
 @pytest.mark.parametrize("group_size", [32, 64])

@@ -29,8 +29,8 @@ def _corrupted_int8_engine(model_dir):
     """An INT8 variant whose attention output weights are negated: it serves nonsense that the
     full-precision reference scores as very unlikely."""
     engine = LLMEngine(EngineConfig.create(str(model_dir), quantization="int8", num_kv_blocks=256))
-    for layer in engine.runner.model.layers:
-        layer.o.q.neg_()
+    for layer in engine.runner.model.layers:  # -w: negative row scales where the kernel's blocks hold w
+        (layer.o.row_scale if layer.o.streams else layer.o.q).neg_()
     return engine
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.ops.cpu_linear import pack_weight, packed_linear
-from llmaccel.ops.gemv import gemv_kernels, pack_int4_blocks, to_panels
+from llmaccel.ops.gemv import gemv_kernels, pack_int4_blocks, pack_int8_blocks, to_panels
 from llmaccel.platform import describe, read_bandwidth_gbps
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -31,7 +31,7 @@ def best_seconds(fn, calls: int, repeats: int = 5) -> float:
     return best / calls
 
 
-def layer_timings(kernels, x, panels, packed, bf16, q8, scale, scale_bf16, q4) -> dict[str, tuple[float, float]]:
+def layer_timings(kernels, x, panels, packed, bf16, q8, b8, scale_bf16, q4) -> dict[str, tuple[float, float]]:
     """Seconds a call and bytes a weight for each kernel on rows x."""
     calls = len(panels)
     n = panels[0].shape[0] * 16
@@ -44,7 +44,7 @@ def layer_timings(kernels, x, panels, packed, bf16, q8, scale, scale_bf16, q4) -
            if kernels.gemm_bf16_available() else {}),
         "torch-int8": (best_seconds(lambda: [torch._weight_int8pack_mm(x.bfloat16(), q, scale_bf16) for q in q8],
                                     calls), 1),
-        "gemv-int8": (best_seconds(lambda: [kernels.gemv_i8(x, q, scale) for q in q8], calls), 1),
+        "gemv-int8": (best_seconds(lambda: [kernels.gemv_i8(x, *p, n) for p in b8], calls), 1),
         "gemv-int4": (best_seconds(lambda: [kernels.gemv_i4(x, q, n) for q in q4], calls), 0.625),
     }
 
@@ -68,10 +68,11 @@ def main() -> None:
         del dense
         q8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
         scale, scale_bf16 = torch.rand(n), torch.rand(n).bfloat16()
+        b8 = [pack_int8_blocks(q, scale) for q in q8]
         s4 = torch.rand(n, k // 32)
         q4 = [pack_int4_blocks(torch.randint(0, 16, (n, k)), s4, s4) for _ in range(copies)]
         for rows in (int(r) for r in args.rows.split(",")):
-            timings = layer_timings(kernels, torch.randn(rows, k), panels, packed, bf16, q8, scale, scale_bf16, q4)
+            timings = layer_timings(kernels, torch.randn(rows, k), panels, packed, bf16, q8, b8, scale_bf16, q4)
             cells = [f"{kernel} {sec * 1e6:.0f} us ({n * k * size / sec / 1e9:.1f} GB/s)"
                      for kernel, (sec, size) in timings.items()]
             print(f"{name} {n}x{k} rows {rows}: " + " | ".join(cells))

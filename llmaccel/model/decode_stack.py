@@ -39,7 +39,7 @@ def stack_linear(kernels, module: nn.Module):
             and module.weight.device.type == "cpu"):
         return kernels.stack_linear("bf16", module.weight, None, bias, module.out_features)
     if isinstance(module, Int8Linear) and module.streams:
-        return kernels.stack_linear("int8", module.q, module.scale, bias, module.out_features)
+        return kernels.stack_linear("int8", module.blocks, module.row_scale, bias, module.out_features)
     if isinstance(module, Int4Linear) and module._gemv is not None:
         return kernels.stack_linear("int4", module.blocks, None, bias, module.out_features)
     return None

@@ -35,7 +35,41 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-INT4_GROUP = 16  # weight rows a group of the INT4 kernel's blocks
+INT4_GROUP = 16  # weight rows a group of the INT8 and INT4 kernels' blocks
+
+
+def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """INT8 weights w = q * scale (q int8 [N, K]; scale float [N] a row, or [N, K / 32]) -> the kernel's
+    blocks, uint8 [ceil(N / 16), K / 32, 512 or 576] (csrc/gemv.cpp): per 16 rows and 32 inputs, 8 chunks
+    of 64 bytes where byte 4 r + j of chunk t holds row r's input 4 t + j plus 128; then, for scales per
+    32 inputs, the 16 rows' float32 scales. Row scales come back apart, float32 [16 ceil(N / 16)] (else
+    None). Rows past N are zero weights with zero scales."""
+    n, k = q.shape
+    groups, nb = -(-n // INT4_GROUP), k // BLOCK
+    pad = groups * INT4_GROUP - n
+    shifted = (torch.nn.functional.pad(q.to(torch.int16), (0, 0, 0, pad)) + 128).to(torch.uint8)
+    weights = shifted.view(groups, INT4_GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
+    scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad) if scale.dim() == 2 else (0, pad))
+    if scale.dim() == 1:
+        return weights.contiguous(), scale.contiguous()
+    per_block = scale.view(groups, INT4_GROUP, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([weights, per_block], dim=2).contiguous(), None
+
+
+def int8_block_rows(blocks: torch.Tensor, row_scale: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the INT8 weight held in `blocks`, dequantized to float32 [len(ids), K]: an embedding
+    lookup from the same copy the kernel reads (one gather of K bytes a row)."""
+    groups, nb, stride = blocks.shape
+    g, r = ids // INT4_GROUP, ids % INT4_GROUP
+    inputs = torch.arange(nb * BLOCK, device=blocks.device)  # input 32 b + 4 t + j sits at b S + 64 t + j
+    pattern = inputs // BLOCK * stride + inputs % BLOCK // 4 * 64 + inputs % 4
+    base = g * nb * stride + 4 * r
+    q = blocks.view(-1)[base[:, None] + pattern[None, :]].float() - 128
+    if row_scale is not None:
+        return q * row_scale[ids, None]
+    scales = blocks.view(torch.float32).view(groups, nb, stride // 4)
+    scale = scales[g[:, None], torch.arange(nb, device=blocks.device)[None, :], (512 // 4 + r)[:, None]]
+    return (q.view(len(ids), nb, BLOCK) * scale[..., None]).view(len(ids), -1)
 
 
 def pack_int4_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -75,7 +109,7 @@ def _self_check(kernels: ModuleType) -> str | None:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen)):
             full = scale[:, None] if scale.dim() == 1 else scale.repeat_interleave(BLOCK, dim=1)
-            if _relative_error(kernels.gemv_i8(x, q, scale), x @ (q.float() * full).t()) > 2e-2:
+            if _relative_error(kernels.gemv_i8(x, *pack_int8_blocks(q, scale), n), x @ (q.float() * full).t()) > 2e-2:
                 return "gemv_i8"
         q4 = torch.randint(0, 16, (n, k), generator=gen)
         s4 = torch.rand(n, k // BLOCK, generator=gen).half()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, int8_block_rows, pack_int4_blocks, pack_int8_blocks
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,16 @@ class Int8Linear(nn.Module):
         # llmaccel's kernel reads a scale per row or per 32 inputs (GGUF Q8_0's groups: the tied table
         # of a Q4_1 file is one); torch's takes one per row, so other groups go a kernel call each
         self.streams = self._gemv is not None and (self.group_size is None or self.group_size % BLOCK == 0)
-        if self.group_size is None:
+        if self.streams:  # llmaccel's blocks (ops/gemv.py), scales per row apart or per 32 inputs inside
+            scale = self.scale.float()
+            if self.group_size is not None:
+                scale = scale.repeat_interleave(self.group_size // BLOCK, dim=1)
+            self.blocks, self.row_scale = pack_int8_blocks(weight.q.to(device), scale)
+            del self.scale
+        elif self.group_size is None:
             self.q = weight.q.to(device)
             self.scale_bf16 = self.scale.bfloat16()
             self.scale = self.scale.float().contiguous()
-        elif self.streams:  # [N, K] and a float32 scale per 32 inputs
-            self.q = weight.q.to(device).contiguous()
-            self.scale = self.scale.float().repeat_interleave(self.group_size // BLOCK, dim=1).contiguous()
         else:  # [K / G, N, G]: each group's columns contiguous, one kernel call per group
             n, k, g = self.out_features, self.in_features, self.group_size
             self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
@@ -118,21 +121,22 @@ class Int8Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.streams:
+            return self.blocks.numel() + (0 if self.row_scale is None else self.row_scale.numel() * 4) + bias
         return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size() + bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized float32 rows `ids` of the weight: an embedding lookup."""
+        if self.streams:
+            return int8_block_rows(self.blocks, self.row_scale, ids)
         if self.group_size is None:
             return self.q[ids].float() * self.scale[ids, None]
-        if self.streams:
-            rows = self.q[ids].float().view(len(ids), -1, BLOCK) * self.scale[ids][..., None]
-            return rows.view(len(ids), self.in_features)
         q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]
         return q.permute(1, 0, 2).reshape(len(ids), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.streams:
-            out = self._gemv.gemv_i8(x, self.q, self.scale).to(x.dtype)
+            out = self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features).to(x.dtype)
         elif self.group_size is not None:
             out = self._grouped(x)
         elif self.use_kernel:

@@ -4,7 +4,7 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, int64_t window, double scale);
-torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n);
 torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n);
 bool gemv_vectorized();
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
@@ -31,7 +31,7 @@ void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("gemv_i8", &gemv_i8, "x @ w.T for few rows, INT8 weights, INT8 activations in blocks of 32");
+  m.def("gemv_i8", &gemv_i8, "x @ w.T, INT8 weights in 16-row blocks of 32 inputs, INT8 activations");
   m.def("gemv_i4", &gemv_i4, "x @ w.T, INT4 weights in 16-row blocks of 32 inputs, INT8 activations");
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots");
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");

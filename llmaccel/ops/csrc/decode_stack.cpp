@@ -29,7 +29,7 @@ namespace llmaccel {
 // A projection's weights in one of the kernels' layouts.
 struct StackLinear {
   enum Kind { kF32Panels, kBf16, kInt8, kInt4 } kind;
-  torch::Tensor weight, scale, bias;  // scale: INT8 float32 scales (INT4 blocks hold their own)
+  torch::Tensor weight, scale, bias;  // scale: INT8 row scales (undefined where the blocks hold theirs)
   int64_t n = 0, k = 0;
 
   bool quantized() const { return kind == kInt8 || kind == kInt4; }
@@ -44,7 +44,8 @@ struct StackLinear {
     else if (kind == kBf16)
       bf16_columns(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
     else if (kind == kInt8)
-      i8_columns(a, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.dim() == 2, y, ldy, m, k, c0, c1);
+      i8_groups(a, weight.data_ptr<uint8_t>(), scale.defined() ? scale.data_ptr<float>() : nullptr, y, ldy, m, k, n,
+                c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else
       i4_groups(a, weight.data_ptr<uint8_t>(), y, ldy, m, k, n, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
   }
@@ -70,14 +71,18 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
     out->kind = StackLinear::kBf16;
     out->k = weight.size(1);
   } else if (kind == "int8") {
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kInt8 && weight.size(0) == n,
-                "int8 weights must be int8 [N, K]");
+    const int64_t want = scale ? 512 : 576;
+    TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == want,
+                "int8 weights must be uint8 blocks [ceil(N / 16), K / 32, ", want, "]");
+    TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the int8 blocks");
     out->kind = StackLinear::kInt8;
-    out->k = weight.size(1);
-    TORCH_CHECK(scale && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->size(0) == n &&
-                    (scale->dim() == 1 || (scale->dim() == 2 && scale->size(1) == out->k / kBlock)),
-                "int8 scales must be contiguous float32 [N] or [N, K / 32]");
-    out->scale = *scale;
+    out->k = weight.size(1) * kBlock;
+    if (scale) {
+      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                      scale->numel() == weight.size(0) * kPanel,
+                  "int8 row scales must be contiguous float32 [16 ceil(N / 16)]");
+      out->scale = *scale;
+    }
   } else if (kind == "int4") {
     TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == 320,
                 "int4 weights must be uint8 blocks [ceil(N / 16), K / 32, 320]");

@@ -4,13 +4,18 @@
 // the machine's read bandwidth: each thread streams a contiguous run of weight rows, several rows at a
 // time, and applies every activation row to a weight row while it sits in L1.
 // (float32 weights: linear_f32.cpp, one layout for every row count.)
-// (INT4 weights: gemv_int4.cpp, its own interleaved layout.)
+// (INT4 weights: gemv_int4.cpp, the same scheme with 4-bit blocks.)
 // - INT8 weights (a scale per row, or per 32 inputs: GGUF Q8_0): the activations are quantized on the fly
 //   to INT8 in blocks of 32, each with its own scale (llama.cpp's Q8 activations; the INT4 kernel reads
-//   the same), and the products are integer dot products (AVX2 maddubs), 32 multiply-adds an
-//   instruction, so the kernel waits on memory rather than on arithmetic. Each block's integer sum is
-//   scaled once in float.
-// Builds without AVX2 run the same arithmetic in plain C++ (same results up to float summation order).
+//   the same), and the products are integer dot products. The weights live in blocks of 16 rows x 32
+//   inputs (ops/gemv.py `pack_int8_blocks`): 8 chunks of 64 bytes, byte 4 r + j of chunk t holding row
+//   r's input 4 t + j plus 128 (as unsigned), then, for per-32 scales, the 16 rows' float32 scales. One
+//   chunk is one AVX512-VNNI vpdpbusd (u8 x s8, 64 multiply-adds) against 4 broadcast activation bytes;
+//   the +128 comes off exactly as 128 x the block's activation sum. One weight row at a time (the layout
+//   before) took a horizontal sum a row and 32 multiply-adds an instruction: at 64 rows it ran at half
+//   the 4-bit kernel's speed. Each block's integer sum is scaled once in float, in the same order for
+//   any number of rows, so results do not depend on the batch.
+// Builds without AVX-512 VNNI run 8 rows a vector with AVX2 (maddubs), or plain C++.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -32,6 +37,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
   out.q.resize(m * k);
   out.d.resize(m * nb);
   out.dsum.resize(m * nb);
+  out.qsum.resize(m * nb);
   for (int64_t i = 0; i < m * nb; ++i) {
     const float* src = x + i * kBlock;
     int8_t* dst = out.q.data() + i * kBlock;
@@ -47,100 +53,135 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
     }
     out.d[i] = d;
     out.dsum[i] = d * static_cast<float>(sum);
+    out.qsum[i] = sum;
   }
 }
 
 namespace {
 
-#ifdef LLMACCEL_AVX2
-// u8 x s8 products summed four at a time into int32 lanes: one VNNI instruction where the CPU has it
-// (AVX512-VNNI with VL, or AVX-VNNI), else maddubs (pairs into int16; these values cannot saturate it)
-// and madd. Exact integer sums either way, so the results are the same.
-inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
+constexpr int64_t kGroupRows = 16;
+constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows x 4 inputs
 
-// Eight int32 partial sums of the 32 products w[j] * x[j], w and x signed (|x| <= 127, so the pairs
-// maddubs adds stay below 2^15).
-inline __m256i dot_i8_i8(__m256i w, __m256i x) {
-  return dot_u8_s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-}
-
-#endif
-
-// With four or more activation rows both weight formats go four weight rows a pass: four independent
-// accumulation chains (1.2-1.5x one row a pass at 64 rows, measured); with fewer, one weight row a
-// pass streams better (up to 2x faster at one row). An output's sum runs in the same order either way,
-// so results do not depend on the grouping, nor therefore on the batch.
-#ifdef LLMACCEL_AVX2
-#define LLMACCEL_FOUR(step) step(0) step(1) step(2) step(3)
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-#endif
-
-// INT8 weights, rows r .. r + R - 1; `scale` holds one float per row (grouped == false) or one per 32 inputs.
-template <int R>
-void i8_pass(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t m,
-             int64_t ldy, int64_t k, int64_t r) {
-  const int64_t nb = k / kBlock;
-  for (int64_t i = 0; i < m; ++i) {
-    const int8_t* xq = a.q.data() + i * k;
-    const float* d = a.d.data() + i * nb;
-    float sums[R];
-#ifdef LLMACCEL_AVX2
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i xv = load32(xq + b * kBlock);
-#define LLMACCEL_I8_ROW(j)                                                                           \
-  if constexpr (R > j) {                                                                             \
-    const float s = grouped ? d[b] * scale[(r + j) * nb + b] : d[b];                                 \
-    const __m256i dot = dot_i8_i8(load32(w + (r + j) * k + b * kBlock), xv);                         \
-    c##j = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(dot), c##j);                        \
-  }
-      LLMACCEL_FOUR(LLMACCEL_I8_ROW)
-#undef LLMACCEL_I8_ROW
-    }
-    const __m256 c[4] = {c0, c1, c2, c3};
-    for (int j = 0; j < R; ++j) sums[j] = hsum8(c[j]);
-#else
-    for (int j = 0; j < R; ++j) {
-      const int8_t* wr = w + (r + j) * k;
-      sums[j] = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) dot += int32_t(wr[b * kBlock + e]) * int32_t(xq[b * kBlock + e]);
-        sums[j] += (grouped ? d[b] * scale[(r + j) * nb + b] : d[b]) * static_cast<float>(dot);
+// Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group of 16 weight rows: their sums
+// sum_b d_b * scale_b * dot_b (grouped) or sum_b d_b * dot_b (the row scale applied by the caller).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LLMACCEL_I8_AVX512 1
+constexpr int kPassRows = 4;
+template <int MR>
+void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
+                int64_t i0, int rows, float* sums) {
+  __m512 even[MR], odd[MR];
+  for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * stride;
+    __m512i w[8];  // the weights + 128, unsigned: one u8 x s8 instruction a chunk, corrected below
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(block + 64 * t);
+    const __m512 scale = grouped ? _mm512_loadu_ps(reinterpret_cast<const float*>(block + kWeightBytes))
+                                 : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < MR; ++r) {
+      if (r == rows) break;
+      const int64_t i = i0 + r;
+      int32_t x4[8];
+      std::memcpy(x4, a.q.data() + i * k + b * kBlock, sizeof(x4));
+      __m512i dot_a = _mm512_setzero_si512(), dot_b = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        dot_a = _mm512_dpbusd_epi32(dot_a, w[t], _mm512_set1_epi32(x4[t]));
+        dot_b = _mm512_dpbusd_epi32(dot_b, w[t + 1], _mm512_set1_epi32(x4[t + 1]));
       }
+      // (w + 128) . x - 128 * sum(x) = w . x, exactly
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_set1_epi32(128 * a.qsum[i * nb + b]));
+      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[i * nb + b]));
+      if (b & 1)
+        odd[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), odd[r]);
+      else
+        even[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), even[r]);
     }
-#endif
-    for (int j = 0; j < R; ++j) y[i * ldy + r + j] = grouped ? sums[j] : sums[j] * scale[r + j];
   }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(sums + r * kGroupRows, _mm512_add_ps(even[r], odd[r]));
 }
+
+#elif defined(LLMACCEL_AVX2)
+constexpr int kPassRows = 1;
+// |x| . (w * sign(x)): maddubs' unsigned operand must be the activation (|x| <= 127 keeps the pairs it
+// adds below 2^15), so the stored w + 128 is turned back into signed w first.
+template <int MR>
+void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
+                int64_t i0, int rows, float* sums) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = group + b * stride;
+      int32_t x4[8];
+      std::memcpy(x4, a.q.data() + i0 * k + b * kBlock, sizeof(x4));
+      __m256i dot = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half)), flip);
+        const __m256i x = _mm256_set1_epi32(x4[t]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x),
+                                                                         _mm256_sign_epi8(w, x)), ones));
+      }
+      const __m256 scale = grouped ? _mm256_loadu_ps(reinterpret_cast<const float*>(block + kWeightBytes) + 8 * half)
+                                   : _mm256_set1_ps(1.0f);
+      const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i0 * nb + b]));
+      if (b & 1)
+        odd = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot), odd);
+      else
+        even = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot), even);
+    }
+    _mm256_storeu_ps(sums + 8 * half, _mm256_add_ps(even, odd));
+  }
+  (void)rows;
+}
+
+#else
+constexpr int kPassRows = 1;
+template <int MR>
+void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
+                int64_t i0, int rows, float* sums) {
+  float even[kGroupRows] = {}, odd[kGroupRows] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * stride;
+    const int8_t* xq = a.q.data() + i0 * k + b * kBlock;
+    for (int64_t row = 0; row < kGroupRows; ++row) {
+      int32_t dot = 0;
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < 4; ++j) dot += (int32_t(block[64 * t + 4 * row + j]) - 128) * xq[4 * t + j];
+      float scale = 1.0f;
+      if (grouped) std::memcpy(&scale, block + kWeightBytes + 4 * row, sizeof(scale));
+      (b & 1 ? odd : even)[row] += scale * a.d[i0 * nb + b] * static_cast<float>(dot);
+    }
+  }
+  for (int64_t row = 0; row < kGroupRows; ++row) sums[row] = even[row] + odd[row];
+  (void)rows;
+}
+#endif
 
 }  // namespace
 
-LLMACCEL_ONE_COPY void i8_columns(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t ldy,
-                int64_t m, int64_t k, int64_t n0, int64_t n1) {
-  int64_t r = n0;
-  for (; m >= 4 && r + 4 <= n1; r += 4) i8_pass<4>(a, w, scale, grouped, y, m, ldy, k, r);
-  for (; r < n1; ++r) i8_pass<1>(a, w, scale, grouped, y, m, ldy, k, r);
+LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_scale, float* y,
+                                 int64_t ldy, int64_t m, int64_t k, int64_t n, int64_t g0, int64_t g1) {
+  const int64_t nb = k / kBlock, stride = kWeightBytes + (row_scale ? 0 : 4 * kGroupRows);
+  alignas(64) float sums[kPassRows * kGroupRows];
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = blocks + g * nb * stride;
+    const int64_t cols = std::min(kGroupRows, n - g * kGroupRows);
+    for (int64_t i0 = 0; i0 < m; i0 += kPassRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kPassRows, m - i0));
+      group_pass<kPassRows>(a, group, nb, stride, row_scale == nullptr, k, i0, rows, sums);
+      for (int r = 0; r < rows; ++r) {
+        float* out = y + (i0 + r) * ldy + g * kGroupRows;
+        if (row_scale)
+          for (int64_t c = 0; c < cols; ++c) out[c] = sums[r * kGroupRows + c] * row_scale[g * kGroupRows + c];
+        else
+          std::memcpy(out, sums + r * kGroupRows, cols * sizeof(float));
+      }
+    }
+  }
 }
 
 namespace {
-
-// Splits the weight rows between ATen's threads in runs of `grain` (a multiple of four).
-template <typename Fn>
-void over_rows(int64_t n, Fn fn) {
-  const int64_t threads = at::get_num_threads();
-  int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
-  grain = (grain + 3) / 4 * 4;
-  at::parallel_for(0, n, grain, fn);
-}
 
 torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
@@ -152,24 +193,31 @@ torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
 
 using namespace llmaccel;
 
-// w int8 [N, K]; scale float32 [N] (per row) or [N, K / 32] (per 32 inputs). K a multiple of 32.
-torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be contiguous int8 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32, got ", k);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(), "scale must be contiguous float32");
-  const bool grouped = scale.dim() == 2;
-  TORCH_CHECK(grouped ? (scale.size(0) == n && scale.size(1) == k / kBlock) : (scale.dim() == 1 && scale.size(0) == n),
-              "scale must be [N] or [N, K / 32]");
+// blocks uint8 [ceil(N / 16), K / 32, 512 or 576] (ops/gemv.py `pack_int8_blocks`); row_scale float32
+// [16 ceil(N / 16)] for one scale a row, or None where each block holds its rows' scales (GGUF Q8_0).
+torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n) {
+  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == want,
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
+  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
+              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
+  if (row_scale)
+    TORCH_CHECK(row_scale->scalar_type() == torch::kFloat32 && row_scale->is_contiguous() &&
+                    row_scale->numel() == blocks.size(0) * kGroupRows,
+                "row_scale must be contiguous float32 [16 ceil(N / 16)]");
+  const int64_t k = blocks.size(1) * kBlock;
   auto xf = as_float_rows(x, k);
   const int64_t m = xf.size(0);
   QuantizedRows a;
   quantize_rows(xf.data_ptr<float>(), m, k, a);
   auto y = torch::empty({m, n}, xf.options());
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* sp = row_scale ? row_scale->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  over_rows(n, [&](int64_t n0, int64_t n1) { i8_columns(a, wp, sp, grouped, yp, n, m, k, n0, n1); });
+  const int64_t groups = blocks.size(0), threads = at::get_num_threads();
+  at::parallel_for(0, groups, (groups + threads - 1) / threads,
+                   [&](int64_t g0, int64_t g1) { i8_groups(a, wp, sp, yp, n, m, k, n, g0, g1); });
   return y;
 }
 

@@ -48,15 +48,17 @@ struct QuantizedRows {
   std::vector<int8_t> q;    // [M, K]
   std::vector<float> d;     // [M, K / 32]
   std::vector<float> dsum;  // [M, K / 32]: d * sum(q) of each block (what an INT4 offset multiplies)
+  std::vector<int32_t> qsum;  // [M, K / 32]: sum(q) of each block (the INT8 kernel's +128 correction)
 };
 
 // Fills `out` (reusing its storage) with the M x K rows x.
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
 
 // y[i, r] for rows i < m and output columns r in [n0, n1), y's rows `ldy` apart.
-// INT8 weights w [N, K] with one scale per row (grouped == false) or per 32 inputs ([N, K / 32]).
-void i8_columns(const QuantizedRows& a, const int8_t* w, const float* scale, bool grouped, float* y, int64_t ldy,
-                int64_t m, int64_t k, int64_t n0, int64_t n1);
+// INT8 weights in gemv.cpp's blocks [ceil(N / 16), K / 32, 512 (+ 64 with their scales)]: the row groups
+// g0 .. g1 - 1; row_scale [16 ceil(N / 16)] for one scale a row, or nullptr for the blocks' own.
+void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_scale, float* y, int64_t ldy,
+               int64_t m, int64_t k, int64_t n, int64_t g0, int64_t g1);
 // INT4 weights in gemv_int4.cpp's blocks [ceil(N / 16), K / 32, 320]: the row groups g0 .. g1 - 1, i.e.
 // output columns 16 g0 .. min(16 g1, n) - 1.
 void i4_groups(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k,

@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for label, options in variants.items():
         llm = _load(args.model, options)
+        if label == "fp32":  # the unquantized reference runs in the model's dtype: bfloat16 where `auto` picks it
+            label = f"unquantized ({str(llm.engine.dtype).removeprefix('torch.')})"
         row = {"variant": label, "weight_bytes": weight_bytes(llm.engine.runner.model)}
         for name, text in texts.items():
             result = perplexity(llm.engine, text, args.max_tokens, args.ctx, args.stride, not args.no_progress)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmaccel.model.layers import Linear
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, int8_block_rows, pack_int4_blocks, pack_int8_blocks, to_panels
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks, to_panels
 
 kernels = gemv_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable or without AVX2 on this machine")
@@ -94,7 +94,9 @@ def test_int8_block_layout_and_rows(grouped):
         assert row_scale[:n].tolist() == scale.tolist() and not row_scale[n:].any()
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     ids = torch.tensor([0, 20, 17, 3, 20])
-    assert torch.equal(int8_block_rows(blocks, row_scale, ids), (q.float() * full)[ids])
+    assert torch.equal(kernels.int8_rows(blocks, row_scale, ids), (q.float() * full)[ids])
+    with pytest.raises(RuntimeError, match="row 32 is outside the weight"):
+        kernels.int8_rows(blocks, row_scale, torch.tensor([32]))
 
 
 def test_int8_is_batch_invariant():

@@ -56,22 +56,6 @@ def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     return torch.cat([weights, per_block], dim=2).contiguous(), None
 
 
-def int8_block_rows(blocks: torch.Tensor, row_scale: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the INT8 weight held in `blocks`, dequantized to float32 [len(ids), K]: an embedding
-    lookup from the same copy the kernel reads (one gather of K bytes a row)."""
-    groups, nb, stride = blocks.shape
-    g, r = ids // INT4_GROUP, ids % INT4_GROUP
-    inputs = torch.arange(nb * BLOCK, device=blocks.device)  # input 32 b + 4 t + j sits at b S + 64 t + j
-    pattern = inputs // BLOCK * stride + inputs % BLOCK // 4 * 64 + inputs % 4
-    base = g * nb * stride + 4 * r
-    q = blocks.view(-1)[base[:, None] + pattern[None, :]].float() - 128
-    if row_scale is not None:
-        return q * row_scale[ids, None]
-    scales = blocks.view(torch.float32).view(groups, nb, stride // 4)
-    scale = scales[g[:, None], torch.arange(nb, device=blocks.device)[None, :], (512 // 4 + r)[:, None]]
-    return (q.view(len(ids), nb, BLOCK) * scale[..., None]).view(len(ids), -1)
-
-
 def pack_int4_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """INT4 weights w = q * scale + offset (q [N, K] in 0..15, scale and offset [N, K / 32]) -> the
     kernel's blocks, uint8 [ceil(N / 16), K / 32, 320] (csrc/gemv_int4.cpp): per 16 rows and 32 inputs,
@@ -109,8 +93,12 @@ def _self_check(kernels: ModuleType) -> str | None:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen)):
             full = scale[:, None] if scale.dim() == 1 else scale.repeat_interleave(BLOCK, dim=1)
-            if _relative_error(kernels.gemv_i8(x, *pack_int8_blocks(q, scale), n), x @ (q.float() * full).t()) > 2e-2:
+            blocks, row_scale = pack_int8_blocks(q, scale)
+            if _relative_error(kernels.gemv_i8(x, blocks, row_scale, n), x @ (q.float() * full).t()) > 2e-2:
                 return "gemv_i8"
+            ids = torch.tensor([0, n - 1, 17])
+            if not torch.equal(kernels.int8_rows(blocks, row_scale, ids), (q.float() * full)[ids]):
+                return "int8_rows"
         q4 = torch.randint(0, 16, (n, k), generator=gen)
         s4 = torch.rand(n, k // BLOCK, generator=gen).half()
         o4 = torch.randn(n, k // BLOCK, generator=gen).half()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.ops.gemv import BLOCK, gemv_kernels, int8_block_rows, pack_int4_blocks, pack_int8_blocks
+from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Int8Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized float32 rows `ids` of the weight: an embedding lookup."""
         if self.streams:
-            return int8_block_rows(self.blocks, self.row_scale, ids)
+            return self._gemv.int8_rows(self.blocks, self.row_scale, ids)
         if self.group_size is None:
             return self.q[ids].float() * self.scale[ids, None]
         q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]

@@ -7,6 +7,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n);
 torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n);
 bool gemv_vectorized();
+torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, torch::Tensor ids);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin);
@@ -45,5 +46,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel");
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF");
   llmaccel::bind_decode_stack(m);
+  m.def("int8_rows", &int8_rows, "rows of an INT8 weight held in gemv_i8's blocks, dequantized (an embedding lookup)");
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");
 }

@@ -221,6 +221,40 @@ torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch
   return y;
 }
 
+// Rows `ids` of the INT8 weight in `blocks` (as gemv_i8 takes them), dequantized to float32 [T, K]: an
+// embedding lookup from the copy the kernel reads (a torch gather took ~0.1 ms a token).
+torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, torch::Tensor ids) {
+  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == want,
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
+  if (row_scale)
+    TORCH_CHECK(row_scale->scalar_type() == torch::kFloat32 && row_scale->is_contiguous() &&
+                    row_scale->numel() == blocks.size(0) * kGroupRows,
+                "row_scale must be contiguous float32 [16 ceil(N / 16)]");
+  auto index = ids.to(torch::kInt64).contiguous();
+  const int64_t count = index.numel(), nb = blocks.size(1), k = nb * kBlock;
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < blocks.size(0) * kGroupRows, "row ", id[t], " is outside the weight");
+  auto out = torch::empty({count, k}, torch::kFloat32);
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t g = id[t] / kGroupRows, r = id[t] % kGroupRows;
+    const float one = row_scale ? row_scale->data_ptr<float>()[id[t]] : 1.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = wp + (g * nb + b) * want;
+      float scale = one;
+      if (!row_scale) std::memcpy(&scale, block + kWeightBytes + 4 * r, sizeof(scale));
+      for (int64_t c = 0; c < 8; ++c)
+        for (int64_t j = 0; j < 4; ++j)
+          op[t * k + b * kBlock + 4 * c + j] = static_cast<float>(int32_t(block[64 * c + 4 * r + j]) - 128) * scale;
+    }
+  }
+  return out;
+}
+
 bool gemv_vectorized() {
 #ifdef LLMACCEL_AVX2
   return true;

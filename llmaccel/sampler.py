@@ -5,8 +5,9 @@ take the argmax -> other rows: temperature, top-k, top-p, min-p, then one draw b
 uniform number u per row, and the first token (in vocabulary order) at which the kept probabilities'
 running sum passes u times their total. Rows with a seed draw u from their own generator, so what
 they sample does not depend on who else is in the batch. On the CPU one C++ call does all of it for
-the batch (ops/csrc/sampling.cpp: no sort of the vocabulary, no random number per token; 10-70x
-faster than the torch path below, which other devices run and which the tests hold it to).
+the batch (ops/csrc/sampling.cpp: no sort of the vocabulary, no random number per token; 6-35x
+faster than the exponential race over a sorted vocabulary it replaced, tools/sampler_bench.py). The
+torch path below runs on other devices, and the tests hold the two to the same token.
 
 `distribution` gives the distribution a row's token is drawn from (a greedy row's at temperature 1),
 by the same code; the output guard compares it with a reference. With `confidence`, `sample` also
@@ -60,9 +61,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._adjust(logits, rows)
         all_greedy = all(r.params.greedy for r in rows)  # known on the host: no device sync
-        kernels = sampling_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-        fast = kernels is not None and logits.stride(-1) == 1 and logits.shape[-1] > 0
-        tokens = kernels.argmax_rows(logits) if fast else logits.argmax(dim=-1)
+        kernels = _kernels_for(logits)
+        tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
         top = None
         if confidence or not all_greedy:
             drawn, top_probs = self._draw(logits, rows)
@@ -138,8 +138,8 @@ class Sampler:
         """One token per row from its sampling distribution (greedy rows: at temperature 1), and that
         distribution's top probability."""
         uniform = _uniforms(rows)
-        kernels = sampling_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-        if kernels is not None and logits.stride(-1) == 1:
+        kernels = _kernels_for(logits)
+        if kernels is not None:
             params = [(1.0 if r.params.greedy else r.params.temperature,
                        r.params.top_k if 0 < r.params.top_k < self.vocab_size else 0,  # any int is legal
                        r.params.top_p, r.params.min_p) for r in rows]
@@ -197,6 +197,13 @@ def _check_kernel(kernels) -> str | None:
 def sampling_kernels() -> ModuleType | None:
     """The checked C++ sampling kernel, or None (the torch path then samples)."""
     return checked_kernels("sample_rows", _check_kernel, "sampling kernel")
+
+
+def _kernels_for(logits: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels where they can read these logits (float32 rows on the CPU, columns contiguous)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1 or not logits.shape[-1]:
+        return None
+    return sampling_kernels()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

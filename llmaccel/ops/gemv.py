@@ -35,7 +35,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-INT4_GROUP = 16  # weight rows a group of the INT8 and INT4 kernels' blocks
+GROUP_ROWS = 16  # weight rows a group of the INT8 and INT4 kernels' blocks
 
 
 def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,14 +45,14 @@ def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     32 inputs, the 16 rows' float32 scales. Row scales come back apart, float32 [16 ceil(N / 16)] (else
     None). Rows past N are zero weights with zero scales."""
     n, k = q.shape
-    groups, nb = -(-n // INT4_GROUP), k // BLOCK
-    pad = groups * INT4_GROUP - n
+    groups, nb = -(-n // GROUP_ROWS), k // BLOCK
+    pad = groups * GROUP_ROWS - n
     shifted = (torch.nn.functional.pad(q.to(torch.int16), (0, 0, 0, pad)) + 128).to(torch.uint8)
-    weights = shifted.view(groups, INT4_GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
+    weights = shifted.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
     scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad) if scale.dim() == 2 else (0, pad))
     if scale.dim() == 1:
         return weights.contiguous(), scale.contiguous()
-    per_block = scale.view(groups, INT4_GROUP, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    per_block = scale.view(groups, GROUP_ROWS, nb).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat([weights, per_block], dim=2).contiguous(), None
 
 
@@ -62,13 +62,13 @@ def pack_int4_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     4 chunks of 64 bytes where byte 4 r + j of chunk t holds row r's input 8 t + j in its low nibble and
     8 t + 4 + j in its high nibble, then the 16 scales and the 16 offsets as float16. Rows past N are zero."""
     n, k = q.shape
-    groups, nb = -(-n // INT4_GROUP), k // BLOCK
-    pad = groups * INT4_GROUP - n
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(groups, INT4_GROUP, nb, 4, 2, 4)
+    groups, nb = -(-n // GROUP_ROWS), k // BLOCK
+    pad = groups * GROUP_ROWS - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(groups, GROUP_ROWS, nb, 4, 2, 4)
     nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, chunk, row, j]
 
     def halves(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> float16 bytes [G, nb, 32]
-        t = torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view(groups, INT4_GROUP, nb).transpose(1, 2)
+        t = torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view(groups, GROUP_ROWS, nb).transpose(1, 2)
         return t.contiguous().view(torch.uint8)
 
     return torch.cat([nibbles.reshape(groups, nb, 256), halves(scale), halves(offset)], dim=2).contiguous()

@@ -97,26 +97,26 @@ class Int8Linear(nn.Module):
         if use_kernel is None:
             use_kernel = _kernel_device(device) and int8_kernel_available(device.type)
         self.use_kernel = use_kernel
-        self.scale = weight.scale.to(device)
+        scale = weight.scale.to(device)
         streams = device.type == "cpu" and use_kernel is not False and self.in_features % BLOCK == 0
         self._gemv = gemv_kernels() if streams else None
         # llmaccel's kernel reads a scale per row or per 32 inputs (GGUF Q8_0's groups: the tied table
         # of a Q4_1 file is one); torch's takes one per row, so other groups go a kernel call each
         self.streams = self._gemv is not None and (self.group_size is None or self.group_size % BLOCK == 0)
         if self.streams:  # llmaccel's blocks (ops/gemv.py), scales per row apart or per 32 inputs inside
-            scale = self.scale.float()
+            scale = scale.float()
             if self.group_size is not None:
                 scale = scale.repeat_interleave(self.group_size // BLOCK, dim=1)
             self.blocks, self.row_scale = pack_int8_blocks(weight.q.to(device), scale)
-            del self.scale
         elif self.group_size is None:
             self.q = weight.q.to(device)
-            self.scale_bf16 = self.scale.bfloat16()
-            self.scale = self.scale.float().contiguous()
+            self.scale_bf16 = scale.bfloat16()
+            self.scale = scale.float().contiguous()
         else:  # [K / G, N, G]: each group's columns contiguous, one kernel call per group
             n, k, g = self.out_features, self.in_features, self.group_size
             self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
-            self.scale_groups = self.scale.t().bfloat16().contiguous()  # [K / G, N]
+            self.scale = scale
+            self.scale_groups = scale.t().bfloat16().contiguous()  # [K / G, N]
 
     @property
     def weight_bytes(self) -> int:

@@ -33,6 +33,7 @@ void bind_decode_stack(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("gemv_i8", &gemv_i8, "x @ w.T, INT8 weights in 16-row blocks of 32 inputs, INT8 activations");
+  m.def("int8_rows", &int8_rows, "rows of an INT8 weight held in gemv_i8's blocks, dequantized (an embedding lookup)");
   m.def("gemv_i4", &gemv_i4, "x @ w.T, INT4 weights in 16-row blocks of 32 inputs, INT8 activations");
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots");
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step");
@@ -46,6 +47,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel");
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF");
   llmaccel::bind_decode_stack(m);
-  m.def("int8_rows", &int8_rows, "rows of an INT8 weight held in gemv_i8's blocks, dequantized (an embedding lookup)");
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in");
 }

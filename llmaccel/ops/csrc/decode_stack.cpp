@@ -55,7 +55,7 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
                                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                           int64_t n) {
   auto out = std::make_shared<StackLinear>();
-  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D or 3-D (panels, INT4 blocks)");
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D or 3-D (panels, INT8/INT4 blocks)");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   out->weight = weight;
   out->n = n;
@@ -74,19 +74,21 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
     const int64_t want = scale ? 512 : 576;
     TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == want,
                 "int8 weights must be uint8 blocks [ceil(N / 16), K / 32, ", want, "]");
-    TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the int8 blocks");
+    TORCH_CHECK(n > (weight.size(0) - 1) * kGroupRows && n <= weight.size(0) * kGroupRows,
+                "n does not fit the int8 blocks");
     out->kind = StackLinear::kInt8;
     out->k = weight.size(1) * kBlock;
     if (scale) {
       TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
-                      scale->numel() == weight.size(0) * kPanel,
+                      scale->numel() == weight.size(0) * kGroupRows,
                   "int8 row scales must be contiguous float32 [16 ceil(N / 16)]");
       out->scale = *scale;
     }
   } else if (kind == "int4") {
     TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == 320,
                 "int4 weights must be uint8 blocks [ceil(N / 16), K / 32, 320]");
-    TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the int4 blocks");
+    TORCH_CHECK(n > (weight.size(0) - 1) * kGroupRows && n <= weight.size(0) * kGroupRows,
+                "n does not fit the int4 blocks");
     out->kind = StackLinear::kInt4;
     out->k = weight.size(1) * kBlock;
   } else {

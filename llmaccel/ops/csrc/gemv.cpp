@@ -4,7 +4,7 @@
 // the machine's read bandwidth: each thread streams a contiguous run of weight rows, several rows at a
 // time, and applies every activation row to a weight row while it sits in L1.
 // (float32 weights: linear_f32.cpp, one layout for every row count.)
-// (INT4 weights: gemv_int4.cpp, the same scheme with 4-bit blocks.)
+// (INT4 weights: gemv_int4.cpp, the same scheme with 4-bit blocks; its torch entry point is here.)
 // - INT8 weights (a scale per row, or per 32 inputs: GGUF Q8_0): the activations are quantized on the fly
 //   to INT8 in blocks of 32, each with its own scale (llama.cpp's Q8 activations; the INT4 kernel reads
 //   the same), and the products are integer dot products. The weights live in blocks of 16 rows x 32
@@ -59,13 +59,11 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
 
 namespace {
 
-constexpr int64_t kGroupRows = 16;
 constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows x 4 inputs
 
 // Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group of 16 weight rows: their sums
 // sum_b d_b * scale_b * dot_b (grouped) or sum_b d_b * dot_b (the row scale applied by the caller).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LLMACCEL_I8_AVX512 1
 constexpr int kPassRows = 4;
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
@@ -183,9 +181,37 @@ LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, 
 
 namespace {
 
-torch::Tensor as_float_rows(const torch::Tensor& x, int64_t k) {
+// An INT8 weight's blocks (576 bytes each with their scales, 512 with the scales apart in row_scale).
+int64_t check_int8_blocks(const torch::Tensor& blocks, const c10::optional<torch::Tensor>& row_scale) {
+  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == want,
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
+  if (row_scale)
+    TORCH_CHECK(row_scale->scalar_type() == torch::kFloat32 && row_scale->is_contiguous() &&
+                    row_scale->numel() == blocks.size(0) * kGroupRows,
+                "row_scale must be contiguous float32 [16 ceil(N / 16)]");
+  return want;
+}
+
+// y = x W^T [M, n] for weights held in 16-row blocks (checked by the caller): x's rows quantized once,
+// the row groups split between ATen's threads, `groups_fn(a, y, m, k, g0, g1)` computing each share.
+template <typename GroupsFn>
+torch::Tensor blocks_product(const torch::Tensor& x, const torch::Tensor& blocks, int64_t n, GroupsFn groups_fn) {
+  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
+              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
+  const int64_t k = blocks.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
-  return x.to(torch::kFloat32).contiguous();
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t m = xf.size(0);
+  QuantizedRows a;
+  quantize_rows(xf.data_ptr<float>(), m, k, a);
+  auto y = torch::empty({m, n}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = blocks.size(0), threads = at::get_num_threads();
+  at::parallel_for(0, groups, (groups + threads - 1) / threads,
+                   [&](int64_t g0, int64_t g1) { groups_fn(a, yp, m, k, g0, g1); });
+  return y;
 }
 
 }  // namespace
@@ -196,42 +222,27 @@ using namespace llmaccel;
 // blocks uint8 [ceil(N / 16), K / 32, 512 or 576] (ops/gemv.py `pack_int8_blocks`); row_scale float32
 // [16 ceil(N / 16)] for one scale a row, or None where each block holds its rows' scales (GGUF Q8_0).
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n) {
-  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                  blocks.size(2) == want,
-              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
-  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
-              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
-  if (row_scale)
-    TORCH_CHECK(row_scale->scalar_type() == torch::kFloat32 && row_scale->is_contiguous() &&
-                    row_scale->numel() == blocks.size(0) * kGroupRows,
-                "row_scale must be contiguous float32 [16 ceil(N / 16)]");
-  const int64_t k = blocks.size(1) * kBlock;
-  auto xf = as_float_rows(x, k);
-  const int64_t m = xf.size(0);
-  QuantizedRows a;
-  quantize_rows(xf.data_ptr<float>(), m, k, a);
-  auto y = torch::empty({m, n}, xf.options());
+  check_int8_blocks(blocks, row_scale);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const float* sp = row_scale ? row_scale->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = blocks.size(0), threads = at::get_num_threads();
-  at::parallel_for(0, groups, (groups + threads - 1) / threads,
-                   [&](int64_t g0, int64_t g1) { i8_groups(a, wp, sp, yp, n, m, k, n, g0, g1); });
-  return y;
+  return blocks_product(x, blocks, n, [&](const QuantizedRows& a, float* y, int64_t m, int64_t k, int64_t g0,
+                                          int64_t g1) { i8_groups(a, wp, sp, y, n, m, k, n, g0, g1); });
+}
+
+// blocks uint8 [ceil(N / 16), K / 32, 320] (gemv_int4.cpp's layout; ops/gemv.py `pack_int4_blocks`).
+torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == kInt4BlockBytes,
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", kInt4BlockBytes, "]");
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  return blocks_product(x, blocks, n, [&](const QuantizedRows& a, float* y, int64_t m, int64_t k, int64_t g0,
+                                          int64_t g1) { i4_groups(a, wp, y, n, m, k, n, g0, g1); });
 }
 
 // Rows `ids` of the INT8 weight in `blocks` (as gemv_i8 takes them), dequantized to float32 [T, K]: an
 // embedding lookup from the copy the kernel reads (a torch gather took ~0.1 ms a token).
 torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, torch::Tensor ids) {
-  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                  blocks.size(2) == want,
-              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
-  if (row_scale)
-    TORCH_CHECK(row_scale->scalar_type() == torch::kFloat32 && row_scale->is_contiguous() &&
-                    row_scale->numel() == blocks.size(0) * kGroupRows,
-                "row_scale must be contiguous float32 [16 ceil(N / 16)]");
+  const int64_t stride = check_int8_blocks(blocks, row_scale);
   auto index = ids.to(torch::kInt64).contiguous();
   const int64_t count = index.numel(), nb = blocks.size(1), k = nb * kBlock;
   const int64_t* id = index.data_ptr<int64_t>();
@@ -244,7 +255,7 @@ torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_s
     const int64_t g = id[t] / kGroupRows, r = id[t] % kGroupRows;
     const float one = row_scale ? row_scale->data_ptr<float>()[id[t]] : 1.0f;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* block = wp + (g * nb + b) * want;
+      const uint8_t* block = wp + (g * nb + b) * stride;
       float scale = one;
       if (!row_scale) std::memcpy(&scale, block + kWeightBytes + 4 * r, sizeof(scale));
       for (int64_t c = 0; c < 8; ++c)

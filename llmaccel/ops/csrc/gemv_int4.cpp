@@ -17,7 +17,6 @@
 // runs in the same order whatever M is and whichever rows share a pass, so a request's results do not
 // depend on its batch. Builds without AVX-512 VNNI run 8 rows a vector with AVX2, or plain C++.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,8 +27,6 @@
 namespace llmaccel {
 namespace {
 
-constexpr int64_t kGroupRows = 16;
-constexpr int64_t kBlockBytes = 320;
 constexpr int64_t kScaleAt = 256, kOffsetAt = 288;
 
 inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -38,7 +35,6 @@ inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Hal
 inline void store_row(const float* sums, float* y, int64_t cols) { std::memcpy(y, sums, cols * sizeof(float)); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LLMACCEL_I4_AVX512 1
 // Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group: 16 outputs each.
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t k, int64_t i0, int rows,
@@ -47,7 +43,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
   __m512 even[MR], odd[MR], off[MR];
   for (int r = 0; r < MR; ++r) even[r] = odd[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = group + b * kBlockBytes;
+    const uint8_t* block = group + b * kInt4BlockBytes;
     __m512i lo[4], hi[4];
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(block + 64 * t);
@@ -104,7 +100,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
     __m256 even[MR], odd[MR], off[MR];
     for (int r = 0; r < MR; ++r) even[r] = odd[r] = off[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* block = group + b * kBlockBytes;
+      const uint8_t* block = group + b * kInt4BlockBytes;
       __m256i lo[4], hi[4];
       for (int t = 0; t < 4; ++t) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
@@ -151,7 +147,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
     const int64_t i = i0 + r;
     float even[kGroupRows] = {}, odd[kGroupRows] = {}, off[kGroupRows] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* block = group + b * kBlockBytes;
+      const uint8_t* block = group + b * kInt4BlockBytes;
       const int8_t* xq = a.q.data() + i * k + b * kBlock;
       const auto* halves = reinterpret_cast<const uint16_t*>(block + kScaleAt);
       for (int64_t row = 0; row < kGroupRows; ++row) {
@@ -180,7 +176,7 @@ LLMACCEL_ONE_COPY void i4_groups(const QuantizedRows& a, const uint8_t* blocks, 
                                  int64_t k, int64_t n, int64_t g0, int64_t g1) {
   const int64_t nb = k / kBlock;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = blocks + g * nb * kBlockBytes;
+    const uint8_t* group = blocks + g * nb * kInt4BlockBytes;
     const int64_t cols = std::min(kGroupRows, n - g * kGroupRows);
     for (int64_t i0 = 0; i0 < m; i0 += kPassRows)
       group_pass<kPassRows>(a, group, nb, k, i0, static_cast<int>(std::min<int64_t>(kPassRows, m - i0)),
@@ -188,36 +184,4 @@ LLMACCEL_ONE_COPY void i4_groups(const QuantizedRows& a, const uint8_t* blocks, 
   }
 }
 
-bool i4_vnni512() {
-#ifdef LLMACCEL_I4_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace llmaccel
-
-using namespace llmaccel;
-
-// blocks uint8 [ceil(N / 16), K / 32, 320] (the layout above); y float32 [M, N].
-torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                  blocks.size(2) == kBlockBytes,
-              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, 320]");
-  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
-              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
-  const int64_t k = blocks.size(1) * kBlock;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t m = xf.size(0);
-  QuantizedRows a;
-  quantize_rows(xf.data_ptr<float>(), m, k, a);
-  auto y = torch::empty({m, n}, xf.options());
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = blocks.size(0), threads = at::get_num_threads();
-  at::parallel_for(0, groups, (groups + threads - 1) / threads,
-                   [&](int64_t g0, int64_t g1) { i4_groups(a, wp, yp, n, m, k, n, g0, g1); });
-  return y;
-}

@@ -42,6 +42,8 @@ inline __m512 widen16(const c10::BFloat16* p) {
 
 constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
+constexpr int64_t kGroupRows = 16;       // weight rows a group of the INT8 and INT4 kernels' blocks
+constexpr int64_t kInt4BlockBytes = 320;  // an INT4 block: 16 rows x 32 inputs, their scales and offsets
 
 // Activation rows quantized to INT8 in blocks of 32: q = round(x / d) with d = max|x| / 127.
 struct QuantizedRows {

@@ -209,8 +209,8 @@ std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor tempe
         e[i] = row[i] / t;
         peak = std::max(peak, e[i]);
       }
-      if (!(peak > -std::numeric_limits<float>::infinity()) || std::isinf(peak)) {  // nothing to draw from
-        tokens.data_ptr<int64_t>()[r] = std::max_element(row, row + v) - row;
+      if (!std::isfinite(peak)) {  // every logit -inf, or one +inf: nothing to draw from, take the argmax
+        tokens.data_ptr<int64_t>()[r] = first_max(row, v);
         top.data_ptr<float>()[r] = 1.0f;
         continue;
       }

@@ -6,12 +6,14 @@ in well under a second. If no compiler is available, callers fall back to the to
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +61,21 @@ def checked_kernels(required: str, self_check: Callable[[ModuleType], str | None
     return kernels
 
 
+@contextlib.contextmanager
+def _build_guard(build_dir: Path) -> Iterator[None]:
+    """One build or load of a build directory at a time, across processes. torch's builder marks a
+    build with a `lock` file that it waits on forever: a first start stopped during the compile (Ctrl-C,
+    a timeout) left it behind, and every later start hung at "starting". An flock dies with its process,
+    so whoever holds it knows a `lock` file it finds is stale and removes it."""
+    with open(build_dir / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernel module, or None (with the reason logged once) if it cannot be built."""
     global _module, _failed
@@ -82,11 +99,13 @@ def load_cpu_kernels() -> ModuleType | None:
         if not any(build_dir.glob("*.so")):
             logger.warning("compiling llmaccel's CPU kernels (once per machine, ~1 min)")
         try:
-            _module = load(name=f"llmaccel_cpu_{digest}", sources=[str(path) for path in _SOURCES],
-                           build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"],
-                           verbose=False)
+            with _build_guard(build_dir):
+                _module = load(name=f"llmaccel_cpu_{digest}", sources=[str(path) for path in _SOURCES],
+                               build_directory=str(build_dir),
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
+                                             "-fopenmp"],
+                               extra_ldflags=["-fopenmp"],
+                               verbose=False)
         except Exception as exc:  # no compiler, no ninja, ...: the torch reference still works
             _failed = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable, using the torch reference attention (%s)", _failed[:300])

@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from llmaccel.cache.result_cache import ResultCache
-from llmaccel.engine.request_stream import RequestStream, next_before_deadline
+from llmaccel.engine.request_stream import Deadline, RequestStream
+from llmaccel.errors import RequestTimeoutError
 from llmaccel.outputs import RequestOutput
 
 
@@ -88,8 +89,9 @@ class FlightSubscriber:
 
     def __init__(self, flight: SharedFlight, request_id: str, timeout: float | None) -> None:
         self.flight, self.request_id = flight, request_id
-        self.queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-        self._deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self.queue: asyncio.Queue[RequestOutput | RequestTimeoutError | None] = asyncio.Queue()
+        loop_time = asyncio.get_running_loop().time()
+        self._deadline = Deadline(self.queue, None if timeout is None else loop_time + timeout, request_id)
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -98,7 +100,9 @@ class FlightSubscriber:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await next_before_deadline(self.queue, self._deadline, self.request_id)
+                item = await self.queue.get()
+                if isinstance(item, RequestTimeoutError):
+                    raise item
                 if item is None:
                     if self.flight.error is not None:
                         raise self.flight.error
@@ -109,4 +113,5 @@ class FlightSubscriber:
             self.close()
 
     def close(self) -> None:
+        self._deadline.cancel()
         self.flight.leave(self)

@@ -112,6 +112,10 @@ inline float rounded(float v) { return to_float(round_to<T>(v)); }
 // fifth of the attention kernel's time and most of SiLU's. Each value's result depends on the value
 // alone, wherever it sits in the array.
 void exp_inplace(float* v, int64_t n);
+// v[i] = exp(v[i] - max v) by exp_inplace's arithmetic; returns 1 / sum (0 for an empty or all-zero
+// sum). The max and the sum run in vector lanes: as scalar chains they were a fifth of a bf16 decode
+// attention item's time.
+float softmax_inplace(float* v, int64_t n);
 
 // One row of the step operations, in HF's formulas; float32, or bfloat16 rounded where torch rounds.
 // out = norm(x) * weight; with a residual, first residual += x and normalize the sum.
@@ -136,7 +140,7 @@ void attend_item(const float* q, const float* k_cache, const float* v_cache, con
 void attend_item(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
                  int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
                  int64_t block_size, float scale, bf16* out, AttentionScratch& scratch);
-// Requests the first block of an item's keys and values (call it for the next item before attending).
+// Requests an item's keys and values into L2 (call it for the next item before attending this one).
 void prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int64_t len, int64_t window,
                    int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size);
 void prefetch_item(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len, int64_t window,

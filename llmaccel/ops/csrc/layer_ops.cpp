@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 
@@ -55,6 +56,40 @@ LLMACCEL_ONE_COPY void exp_inplace(float* v, int64_t n) {
 #else
   for (int64_t i = 0; i < n; ++i) v[i] = std::exp(v[i]);
 #endif
+}
+
+LLMACCEL_ONE_COPY float softmax_inplace(float* v, int64_t n) {
+  float total = 0.0f;
+#ifdef LLMACCEL_EXP_AVX2
+  int64_t i = 0;
+  __m256 max8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; i + 8 <= n; i += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(v + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, max8);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) m = std::max(m, v[i]);
+  const __m256 shift = _mm256_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), shift));
+    _mm256_storeu_ps(v + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  if (i < n) {  // the tail through the same arithmetic; its padding lanes add nothing
+    alignas(32) float tail[8] = {};
+    std::memcpy(tail, v + i, (n - i) * sizeof(float));
+    _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), shift)));
+    std::memset(tail + (n - i), 0, (8 - (n - i)) * sizeof(float));
+    std::memcpy(v + i, tail, (n - i) * sizeof(float));
+    sum8 = _mm256_add_ps(sum8, _mm256_load_ps(tail));
+  }
+  total = hsum8(sum8);
+#else
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, v[i]);
+  for (int64_t i = 0; i < n; ++i) total += (v[i] = std::exp(v[i] - m));
+#endif
+  return total > 0 ? 1.0f / total : 0.0f;
 }
 
 namespace {

@@ -48,6 +48,23 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// c10's conversions, but for float32 and bfloat16 in operations the compiler vectorises (one element
+// at a time, converting an item's queries and outputs cost as much as its scores at 100 keys).
+template <typename scalar_t>
+static inline float as_float(scalar_t v) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
+    return llmaccel::to_float(v);
+  else
+    return static_cast<float>(v);
+}
+template <typename scalar_t>
+static inline scalar_t rounded_to(float v) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
+    return llmaccel::round_to<scalar_t>(v);
+  else
+    return static_cast<scalar_t>(v);
+}
+
 // A cache row as float32: float rows as they are; bfloat16 widened by a shift (bf16 is the top half of
 // a float32), a loop the compiler vectorises (c10's conversion one element at a time did not: bf16
 // attention ran at a fifth of float32's speed); float16 through c10.
@@ -283,7 +300,6 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
   scratch.widened.resize(head_dim);
   float *qf = scratch.qf.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
   float* widened = scratch.widened.data();
-  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
   // float32 and bf16 caches at head_dim 64 or 128 take the AVX-512 passes; float16 and double the
   // portable ones
 #ifdef LLMACCEL_ATTENTION_AVX512
@@ -292,6 +308,13 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
 #else
   const bool wide = false;
 #endif
+#ifdef LLMACCEL_ATTENTION_BF16_DOT
+  const bool dots_bf16 = wide && std::is_same_v<scalar_t, c10::BFloat16>;  // the queries as they are
+#else
+  const bool dots_bf16 = false;
+#endif
+  if (!dots_bf16)
+    for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = as_float(q_group[i]) * scale;
   if (wide) {
 #ifdef LLMACCEL_ATTENTION_AVX512
     if constexpr (widens) {
@@ -310,16 +333,7 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
                    for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * head_dim, key, head_dim);
                  });
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* s = scores + h * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    for (int64_t t = 0; t < len; ++t) s[t] -= m;
-    llmaccel::exp_inplace(s, len);
-    float total = 0.0f;
-    for (int64_t t = 0; t < len; ++t) total += s[t];
-    scratch.inv_sum[h] = total > 0 ? 1.0f / total : 0.0f;
-  }
+  for (int64_t h = 0; h < group; ++h) scratch.inv_sum[h] = llmaccel::softmax_inplace(scores + h * len, len);
   if (wide) {
 #ifdef LLMACCEL_ATTENTION_AVX512
     if constexpr (widens) {
@@ -372,37 +386,41 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
                });
   for (int64_t h = 0; h < group; ++h)
     for (int64_t d = 0; d < head_dim; ++d)
-      out_group[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * scratch.inv_sum[h]);
+      out_group[h * head_dim + d] = rounded_to<scalar_t>(acc[h * head_dim + d] * scratch.inv_sum[h]);
 }
 
-// The first block of an item's keys and values, requested ahead: an item's own prefetching starts at
-// its second block, and its first was a cold miss row by row (half the attention's time in a 64-sequence
-// decode step went to waiting on memory, measured with perf).
+// An item's keys and values (its first kPrefetchRows rows), requested into L2 while the item before
+// it is attended: an item's own loop requests one block ahead, which left the first block a cold miss
+// row by row and kept too few requests in flight to cover memory's latency (a 64-sequence step's
+// attention read its KV at ~9 GB/s with blocks in no order; ~13 with this).
+constexpr int64_t kPrefetchRows = 256;
+
 template <typename scalar_t>
-static void prefetch_first_block(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+static void prefetch_item_rows(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
                                  int64_t context_len, int64_t window, int64_t kvh, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t block_size) {
   const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-  const int64_t row_stride = num_kv_heads * head_dim, t0 = first - first % block_size;
-  const int64_t block = table[t0 / block_size], rows = std::min(block_size, context_len - t0);
+  const int64_t row_stride = num_kv_heads * head_dim, last = std::min(context_len, first + kPrefetchRows);
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t j = first - t0; j < rows; ++j) {
-    const int64_t offset = (block * block_size + j) * row_stride + kvh * head_dim;
-    prefetch_bytes(k_cache + offset, bytes);
-    prefetch_bytes(v_cache + offset, bytes);
+  for (int64_t t = first; t < last; ++t) {
+    const int64_t offset = (table[t / block_size] * block_size + t % block_size) * row_stride + kvh * head_dim;
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + offset) + o, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + offset) + o, 0, 2);
+    }
   }
 }
 
 void llmaccel::prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
                              int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size) {
-  prefetch_first_block(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+  prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
 }
 
 void llmaccel::prefetch_item(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
                              int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size) {
-  prefetch_first_block(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+  prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
 }
 
 void llmaccel::attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
@@ -433,7 +451,7 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
       const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
       if (item + 1 < end) {
         const int64_t next = (item + 1) / num_kv_heads;
-        prefetch_first_block(k_cache, v_cache, block_tables + next * max_blocks, context_lens[next], window,
+        prefetch_item_rows(k_cache, v_cache, block_tables + next * max_blocks, context_lens[next], window,
                              (item + 1) % num_kv_heads, num_kv_heads, head_dim, block_size);
       }
       attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,

@@ -71,24 +71,14 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
     out->kind = StackLinear::kBf16;
     out->k = weight.size(1);
   } else if (kind == "int8") {
-    const int64_t want = scale ? 512 : 576;
-    TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == want,
-                "int8 weights must be uint8 blocks [ceil(N / 16), K / 32, ", want, "]");
-    TORCH_CHECK(n > (weight.size(0) - 1) * kGroupRows && n <= weight.size(0) * kGroupRows,
-                "n does not fit the int8 blocks");
+    check_int8_blocks(weight, scale);
+    check_groups_fit(weight, n);
     out->kind = StackLinear::kInt8;
     out->k = weight.size(1) * kBlock;
-    if (scale) {
-      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
-                      scale->numel() == weight.size(0) * kGroupRows,
-                  "int8 row scales must be contiguous float32 [16 ceil(N / 16)]");
-      out->scale = *scale;
-    }
+    if (scale) out->scale = *scale;
   } else if (kind == "int4") {
-    TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 && weight.size(2) == 320,
-                "int4 weights must be uint8 blocks [ceil(N / 16), K / 32, 320]");
-    TORCH_CHECK(n > (weight.size(0) - 1) * kGroupRows && n <= weight.size(0) * kGroupRows,
-                "n does not fit the int4 blocks");
+    check_int4_blocks(weight);
+    check_groups_fit(weight, n);
     out->kind = StackLinear::kInt4;
     out->k = weight.size(1) * kBlock;
   } else {

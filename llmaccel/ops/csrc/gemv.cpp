@@ -179,9 +179,6 @@ LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, 
   }
 }
 
-namespace {
-
-// An INT8 weight's blocks (576 bytes each with their scales, 512 with the scales apart in row_scale).
 int64_t check_int8_blocks(const torch::Tensor& blocks, const c10::optional<torch::Tensor>& row_scale) {
   const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
@@ -194,12 +191,24 @@ int64_t check_int8_blocks(const torch::Tensor& blocks, const c10::optional<torch
   return want;
 }
 
+void check_int4_blocks(const torch::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == kInt4BlockBytes,
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", kInt4BlockBytes, "]");
+}
+
+void check_groups_fit(const torch::Tensor& blocks, int64_t n) {
+  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
+              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
+}
+
+namespace {
+
 // y = x W^T [M, n] for weights held in 16-row blocks (checked by the caller): x's rows quantized once,
 // the row groups split between ATen's threads, `groups_fn(a, y, m, k, g0, g1)` computing each share.
 template <typename GroupsFn>
 torch::Tensor blocks_product(const torch::Tensor& x, const torch::Tensor& blocks, int64_t n, GroupsFn groups_fn) {
-  TORCH_CHECK(n > (blocks.size(0) - 1) * kGroupRows && n <= blocks.size(0) * kGroupRows,
-              "n = ", n, " does not fit ", blocks.size(0), " groups of 16 rows");
+  check_groups_fit(blocks, n);
   const int64_t k = blocks.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -231,9 +240,7 @@ torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch
 
 // blocks uint8 [ceil(N / 16), K / 32, 320] (gemv_int4.cpp's layout; ops/gemv.py `pack_int4_blocks`).
 torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                  blocks.size(2) == kInt4BlockBytes,
-              "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", kInt4BlockBytes, "]");
+  check_int4_blocks(blocks);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   return blocks_product(x, blocks, n, [&](const QuantizedRows& a, float* y, int64_t m, int64_t k, int64_t g0,
                                           int64_t g1) { i4_groups(a, wp, y, n, m, k, n, g0, g1); });

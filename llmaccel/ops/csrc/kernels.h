@@ -4,7 +4,9 @@
 // none of them starts threads of its own.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <cstring>
@@ -65,6 +67,12 @@ void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_s
 // output columns 16 g0 .. min(16 g1, n) - 1.
 void i4_groups(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k,
                int64_t n, int64_t g0, int64_t g1);
+// Checks of the INT8 and INT4 blocks as the kernels read them (gemv.cpp), for every caller that hands
+// them blocks: an INT8 weight's blocks are 576 bytes with their scales, 512 with the scales apart in
+// row_scale (returned: the block stride); `n` output rows must fill the last of the groups of 16.
+int64_t check_int8_blocks(const at::Tensor& blocks, const c10::optional<at::Tensor>& row_scale);
+void check_int4_blocks(const at::Tensor& blocks);
+void check_groups_fit(const at::Tensor& blocks, int64_t n);
 // Float32 weights in panels [ceil(N / 16), K, 16]: the panels p0 .. p1 - 1, i.e. columns 16 p0 .. <= 16 p1.
 // bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1.
 void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0,

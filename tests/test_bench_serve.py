@@ -120,5 +120,5 @@ def test_refused_requests_are_counted_with_their_errors(server, llama_dir, tmp_p
 def test_an_unreachable_server_still_ends_with_a_report(llama_dir, tmp_path, capsys):
     port = free_port()  # nothing listens here
     res = run_bench(f"http://127.0.0.1:{port}", llama_dir, tmp_path, "--model", "tiny", "--num-prompts", "3")
-    assert res["failed"] == 3 and all(e.startswith("ConnectError") for e in res["errors"])
+    assert res["failed"] == 3 and all(e.startswith("ClientConnectorError") for e in res["errors"])
     assert "Errors" in capsys.readouterr().out

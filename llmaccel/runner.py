@@ -83,7 +83,9 @@ class ModelRunner:
                             meta, self.kv_caches)
         if not sampled_items:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+        if len(sample_rows) < hidden.shape[0]:  # prefill rows before their last: no logits wanted
+            hidden = hidden[torch.tensor(sample_rows, device=device)]
+        logits = self.model.compute_logits(hidden)
         rows, keep, failed = [], [], {}
         for i, item in enumerate(sampled_items):  # a row that cannot be built fails its request alone
             try:

@@ -16,7 +16,7 @@ from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEm
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import tune_bf16
-from llmaccel.ops.quant_linear import quantized_linear
+from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
 
 
@@ -137,6 +137,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits; an INT8/INT4 head's kernel sums in float32 and hands them over unrounded."""
+        if isinstance(self.lm_head, Int8Linear | Int4Linear):
+            return self.lm_head.float_forward(hidden)
         return self.lm_head(hidden).float()
 
 

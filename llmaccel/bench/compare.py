@@ -7,7 +7,9 @@ prompts at concurrency 64 (requests per second). Peak memory is the server proce
 (VmHWM). `--variant LABEL=FLAGS` adds llmaccel configurations (int8, int4, a dtype);
 `--peer-command LABEL=COMMAND` adds peer servers (vLLM, llama.cpp) that compare starts itself, in turn,
 each alone on the machine (tools/peers.sh has each peer's best settings); `--peer LABEL=URL` adds
-servers that are already running.
+servers that are already running. Each lone request's share of the machine's bandwidth ceiling
+(bench/ceiling.py) needs the weight bytes a token reads: llmaccel servers report theirs on /metrics,
+`--weight-bytes LABEL=BYTES` gives a peer's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from pathlib import Path
 import httpx
 
 from llmaccel.bench import datasets
+from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
 from llmaccel.bench.serve import add_arguments as add_serve_arguments
 from llmaccel.bench.serve import run_benchmark, tokenizer_for
-from llmaccel.platform import machine_record, read_bandwidth_gbps
+from llmaccel.platform import machine_record
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -54,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-extra-body", type=json.loads, default=None, metavar="JSON",
                         help='fields added to requests sent to --peer servers, e.g. \'{"logit_bias": {"2": -100}}\' '
                              "where a peer ignores ignore_eos")
+    parser.add_argument("--weight-bytes", action="append", default=[], metavar="LABEL=BYTES",
+                        help="weight bytes a decode step of LABEL reads (a peer's model file size), for the lone "
+                             "request's share of the bandwidth ceiling; llmaccel servers report theirs (repeatable)")
     parser.add_argument("--skip-baseline", action="store_true", help="do not start the HF baseline")
     parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
     parser.add_argument("--result-json", type=Path, help="write every figure here")
@@ -111,7 +117,8 @@ def _labelled(value: str) -> tuple[str, str]:
     return label, rest
 
 
-def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None) -> dict:
+def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None,
+             weight_bytes: dict[str, int] | None = None) -> dict:
     began = time.monotonic()
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)  # bench serve's own defaults, so both commands measure alike
@@ -121,13 +128,9 @@ def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_bo
     warm = datasets.SampleRequest("Hello!", 0, 8)
     progress = not args.no_progress
     asyncio.run(run_benchmark(bench, [warm], tokenizer, float("inf"), 1, progress=False))
-    # the read bandwidth on either side of the lone request: this machine's moves by a third within
-    # minutes, and a lone request's share of its bandwidth ceiling is only as good as the reading
-    bandwidth = [read_bandwidth_gbps()]
-    single = asyncio.run(run_benchmark(bench, [single_prompt] * args.single_repeat, tokenizer, float("inf"), 1,
-                                       progress=progress))
-    bandwidth.append(read_bandwidth_gbps())
-    single["read_bandwidth_gbps_around"] = [round(b, 1) for b in bandwidth]
+    weight_bytes = weight_bytes or {}
+    single = lone_requests(bench, single_prompt, args.single_repeat, tokenizer, progress)
+    single["ceiling_share"] = ceiling_share(single, weight_bytes.get(label) or served_weight_bytes(url))
     burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
     loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
                                        progress=progress))
@@ -147,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     servers += [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
     peer_commands = [_labelled(value) for value in args.peer_command]
     servers += [(label, shlex.split(command)) for label, command in peer_commands]
+    weight_bytes = {label: int(float(value)) for label, value in map(_labelled, args.weight_bytes)}
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
@@ -154,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         proc = start_server(command, port, logs / f"{label}.log")
         try:
             extra = args.peer_extra_body if any(label == peer for peer, _ in peer_commands) else None
-            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra)
+            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra, weight_bytes)
             figures["start_seconds"] = round(time.monotonic() - started - figures.pop("measure_seconds"), 1)
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
         finally:
@@ -162,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         systems.append(figures)
     for peer in args.peer:
         label, url = _labelled(peer)
-        systems.append({**_measure(url, label, args, tokenizer, args.peer_extra_body), "peak_rss_bytes": None})
+        systems.append({**_measure(url, label, args, tokenizer, args.peer_extra_body, weight_bytes),
+                        "peak_rss_bytes": None})
     print(format_table(systems, args))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +184,9 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
         (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
          lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
         ("output tokens/s, 1 request", lambda s: s["single"]["output_throughput"], "higher"),
+        ("1 request: share of the bandwidth ceiling (%, median repeat)",
+         lambda s: 100 * s["single"]["ceiling_share"]["median"] if s["single"].get("ceiling_share") else None,
+         "higher"),
         ("peak memory of the server process (GiB)",
          lambda s: s["peak_rss_bytes"] / 2**30 if s["peak_rss_bytes"] else None, "lower"),
         (f"QPS at concurrency {args.concurrency} ({args.num_prompts} x {args.output_len} tokens)",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmaccel.model.layers import Linear
+from llmaccel.model.weight_arena import WeightArena
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.ops.kernel_choice import Bf16Choice
@@ -75,6 +76,10 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
     spec, dtype = model.spec, model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.rotary.cos.dtype != dtype:
         return None
+    streamed = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    arena = WeightArena([*streamed, model.lm_head], model)  # the modules now hold views of it
+    logger.info("decode weights: %.0f MB in one mapping%s", arena.nbytes / 1e6,
+                " on huge pages" if arena.huge_pages else "")
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, model.norm.weight.data)
     for i, layer in enumerate(model.layers):

@@ -1,0 +1,84 @@
+"""The decode stack's weights in one run of memory on transparent huge pages, in the order a step reads them.
+
+A lone decode step streams every weight once, and on the CPU that stream is the step. Allocated one
+tensor at a time, the weights sit on 4 KiB pages (most machines give huge pages only where asked,
+`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, and the layer's projections are each under
+the 2 MiB that torch's allocator would ask for), and a read stream pays a page walk every 4 KiB and
+loses the hardware prefetcher at every page edge. Measured on a 2-core AMD EPYC: a 512 MB sum read
+25-28 GB/s on 4 KiB pages and 33-35 on huge pages. So the decode stack's weights (every layer's four
+projections, then the LM head) are copied into one anonymous mapping advised MADV_HUGEPAGE, back to
+back in the order a step reads them, and every module takes a view of its part: no second copy, and
+the layer-by-layer path reads the same memory. Served, paired against the same build without it: a
+lone INT8 request +14%, a 4-bit one +6%, 64 bf16 requests at once +3% (medians of alternating runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 * 2**20
+_ALIGN = 4096  # each tensor starts on its own page: the kernels' vector loads want at least 64 bytes
+
+
+def _weight_attribute(module: nn.Module) -> str | None:
+    """The name of the tensor a decode step streams from this module, or None if it holds none."""
+    for name in ("panels", "blocks", "weight"):
+        value = getattr(module, name, None)
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_contiguous():
+            return name
+    return None
+
+
+class WeightArena:
+    """Owns the mapping; modules hold views of it (keep the arena alive as long as the model)."""
+
+    def __init__(self, modules: list[nn.Module], root: nn.Module) -> None:
+        """modules: those whose weights a step streams, in the order it reads them; root: the model,
+        every reference in which (a tied embedding table too) is moved to the views."""
+        parts: list[tuple[nn.Module, str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for module in modules:
+            name = _weight_attribute(module)
+            if name is None:
+                continue
+            tensor = getattr(module, name)
+            if id(tensor) not in seen:  # a tied table is one tensor
+                seen.add(id(tensor))
+                parts.append((module, name, tensor))
+        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for _, _, t in parts]
+        self.nbytes = sum(sizes)
+        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = True
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError) as exc:  # not Linux, or a kernel without THP: plain pages
+            self.huge_pages = False
+            logger.info("weights stay on small pages (%s)", exc)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        offset = -whole.data_ptr() % HUGE_PAGE
+        replaced: dict[int, torch.Tensor] = {}
+        for (_, _, tensor), size in zip(parts, sizes, strict=True):
+            view = whole[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            replaced[id(tensor)] = view
+            offset += size
+        self._rebind(root, replaced)
+
+    @staticmethod
+    def _rebind(root: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+        """Point every module attribute, parameter and buffer that held an old tensor at its view."""
+        for module in root.modules():
+            for store in (module._parameters, module._buffers):
+                for name, value in store.items():
+                    if value is not None and id(value) in replaced:
+                        new = replaced[id(value)]
+                        store[name] = nn.Parameter(new, requires_grad=False) if isinstance(value, nn.Parameter) else new
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and id(value) in replaced:
+                    setattr(module, name, replaced[id(value)])

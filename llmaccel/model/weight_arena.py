@@ -14,6 +14,8 @@ lone INT8 request +14%, a 4-bit one +6%, 64 bf16 requests at once +3% (medians o
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import mmap
 
@@ -24,6 +26,14 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 2**20
 _ALIGN = 4096  # each tensor starts on its own page: the kernels' vector loads want at least 64 bytes
+_TRIM_EVERY = 16 * 2**20  # copied bytes between handing freed memory back, so old and new never both fill RSS
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap memory resident (the old weights: ~220 MB of RSS for the default model in
+    bf16); malloc_trim hands it back to the OS. A no-op where the C library has no malloc_trim."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _weight_attribute(module: nn.Module) -> str | None:
@@ -41,17 +51,13 @@ class WeightArena:
     def __init__(self, modules: list[nn.Module], root: nn.Module) -> None:
         """modules: those whose weights a step streams, in the order it reads them; root: the model,
         every reference in which (a tied embedding table too) is moved to the views."""
-        parts: list[tuple[nn.Module, str, torch.Tensor]] = []
-        seen: set[int] = set()
+        tensors: list[torch.Tensor | None] = []
         for module in modules:
             name = _weight_attribute(module)
-            if name is None:
-                continue
-            tensor = getattr(module, name)
-            if id(tensor) not in seen:  # a tied table is one tensor
-                seen.add(id(tensor))
-                parts.append((module, name, tensor))
-        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for _, _, t in parts]
+            tensor = getattr(module, name) if name else None
+            if tensor is not None and not any(tensor is t for t in tensors):  # a tied table is one tensor
+                tensors.append(tensor)
+        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
         self.nbytes = sum(sizes)
         self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge_pages = True
@@ -61,14 +67,18 @@ class WeightArena:
             self.huge_pages = False
             logger.info("weights stay on small pages (%s)", exc)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        offset = -whole.data_ptr() % HUGE_PAGE
-        replaced: dict[int, torch.Tensor] = {}
-        for (_, _, tensor), size in zip(parts, sizes, strict=True):
+        offset, unreturned = -whole.data_ptr() % HUGE_PAGE, 0
+        for i, size in enumerate(sizes):
+            tensor, tensors[i] = tensors[i], None
             view = whole[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
-            replaced[id(tensor)] = view
-            offset += size
-        self._rebind(root, replaced)
+            self._rebind(root, {id(tensor): view})  # `tensor` is alive, so its id names it alone
+            del tensor  # its last reference: the old copy is freed as the new one fills
+            offset, unreturned = offset + size, unreturned + size
+            if unreturned >= _TRIM_EVERY:
+                _return_freed_memory()
+                unreturned = 0
+        _return_freed_memory()
 
     @staticmethod
     def _rebind(root: nn.Module, replaced: dict[int, torch.Tensor]) -> None:

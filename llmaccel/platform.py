@@ -67,7 +67,7 @@ def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % huge
     buffer = whole[start:start + nbytes].view(torch.float32)
-    buffer.fill_(1.0)
+    torch.arange(buffer.numel(), out=buffer)  # no two pages alike: none can be served from a merged page
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()

@@ -84,9 +84,10 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def start_server(command: list[str], port: int, log: Path, timeout: float = 900) -> subprocess.Popen:
+def start_server(command: list[str], port: int, log: Path, timeout: float = 900,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `command --port PORT` with its output in `log`; return once /health answers 200."""
-    proc = subprocess.Popen(command + ["--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command + ["--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

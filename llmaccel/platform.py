@@ -3,10 +3,13 @@ file records it, since figures from one kind of machine say little of another.""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform as _platform
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
@@ -50,30 +53,45 @@ def auto_dtype(device: str, features: set[str] | None = None) -> str:
     return "bfloat16" if any(f in flags for f in BF16_HARDWARE) else "float32"
 
 
+HUGE_PAGE = 2 * 2**20
+
+
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """(`nbytes` of zeroed anonymous memory as a uint8 tensor that starts on a 2 MiB boundary, advised
+    MADV_HUGEPAGE; whether the advice was taken). Where it is not (not Linux, a kernel without
+    transparent huge pages) the memory is plain pages. The tensor keeps its mapping alive."""
+    import mmap
+
+    import torch
+
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advised = True
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        advised = False
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes], advised
+
+
 def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
     """Measured memory read bandwidth (GB/s): the best of `repeats` sums over a buffer far larger than
     the caches, with torch's threads, on transparent huge pages where the kernel gives them (as the
     decode weights are, model/weight_arena.py; 4 KiB pages read ~20% slower here). Batch-1 decode
     cannot stream weights faster than this."""
-    import mmap
     import time
 
     import torch
 
-    nbytes, huge = megabytes * 2**20, 2 * 2**20
-    region = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP: small pages
-        region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)
-    start = -whole.data_ptr() % huge
-    buffer = whole[start:start + nbytes].view(torch.float32)
+    nbytes = megabytes * 2**20
+    buffer = huge_page_buffer(nbytes)[0].view(torch.float32)
     torch.arange(buffer.numel(), out=buffer)  # no two pages alike: none can be served from a merged page
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - began)
-    del buffer, whole
     return nbytes / best / 1e9
 
 

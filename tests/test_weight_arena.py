@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from llmaccel import LLM
-from llmaccel.model.weight_arena import HUGE_PAGE, WeightArena, _weight_attribute
+from llmaccel.model.weight_arena import WeightArena, _weight_attribute
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.platform import HUGE_PAGE
 
 
 class _Holder(nn.Module):

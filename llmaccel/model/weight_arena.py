@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
-import mmap
 
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from llmaccel.platform import huge_page_buffer
 
-HUGE_PAGE = 2 * 2**20
 _ALIGN = 4096  # each tensor starts on its own page: the kernels' vector loads want at least 64 bytes
 _TRIM_EVERY = 16 * 2**20  # copied bytes between handing freed memory back, so old and new never both fill RSS
 
@@ -46,7 +43,7 @@ def _weight_attribute(module: nn.Module) -> str | None:
 
 
 class WeightArena:
-    """Owns the mapping; modules hold views of it (keep the arena alive as long as the model)."""
+    """Copies the weights into one huge-page mapping; modules hold views of it, which keep it alive."""
 
     def __init__(self, modules: list[nn.Module], root: nn.Module) -> None:
         """modules: those whose weights a step streams, in the order it reads them; root: the model,
@@ -59,15 +56,8 @@ class WeightArena:
                 tensors.append(tensor)
         sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
         self.nbytes = sum(sizes)
-        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = True
-        try:
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError) as exc:  # not Linux, or a kernel without THP: plain pages
-            self.huge_pages = False
-            logger.info("weights stay on small pages (%s)", exc)
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        offset, unreturned = -whole.data_ptr() % HUGE_PAGE, 0
+        whole, self.huge_pages = huge_page_buffer(self.nbytes)  # the views keep the mapping alive
+        offset, unreturned = 0, 0
         for i, size in enumerate(sizes):
             tensor, tensors[i] = tensors[i], None
             view = whole[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)

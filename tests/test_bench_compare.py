@@ -130,3 +130,9 @@ def test_compare_names_a_malformed_peer(llama_dir, capsys):
     assert main(["bench", "compare", "--model", str(llama_dir), "--skip-baseline", "--skip-llmaccel",
                  "--peer-command", "no label here"]) == 2
     assert "'no label here': write LABEL=..." in capsys.readouterr().err
+
+
+def test_weight_bytes_that_are_not_a_positive_number_are_refused(capsys):
+    for bad in ("peer=lots", "peer=-5", "peer="):
+        assert main(["bench", "compare", "--weight-bytes", bad, "--skip-baseline", "--skip-llmaccel"]) == 2
+        assert f"--weight-bytes {bad!r}: BYTES must be a positive number" in capsys.readouterr().err

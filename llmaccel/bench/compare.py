@@ -118,6 +118,17 @@ def _labelled(value: str) -> tuple[str, str]:
     return label, rest
 
 
+def _weight_bytes(value: str) -> tuple[str, int]:
+    label, number = _labelled(value)
+    try:
+        count = int(float(number))
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise ValueError(f"--weight-bytes {value!r}: BYTES must be a positive number, e.g. {label}=1.35e8")
+    return label, count
+
+
 def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None,
              weight_bytes: dict[str, int] | None = None) -> dict:
     began = time.monotonic()
@@ -139,6 +150,7 @@ def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_bo
 
 
 def run(args: argparse.Namespace) -> int:
+    weight_bytes = dict(_weight_bytes(value) for value in args.weight_bytes)  # bad input fails before any work
     tokenizer = tokenizer_for(argparse.Namespace(tokenizer=args.model, model=args.model))
     systems: list[dict] = []
     logs = Path(tempfile.mkdtemp(prefix="llmaccel-compare-"))
@@ -151,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
     servers += [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
     peer_commands = [_labelled(value) for value in args.peer_command]
     servers += [(label, shlex.split(command)) for label, command in peer_commands]
-    weight_bytes = {label: int(float(value)) for label, value in map(_labelled, args.weight_bytes)}
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)

@@ -5,11 +5,28 @@ parses and its counters match what was sent."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
 
+from llmaccel.config import EngineConfig
+from llmaccel.engine.engine import LLMEngine
 from tests.live_server import MODEL_NAME, live_server, scrape
+
+
+def _paced_engine(model_dir) -> LLMEngine:
+    """An engine whose steps take at least 10 ms. The tiny model once wrote all 1,000 tokens before a
+    busy test thread had read five chunks (a clean clone's run), leaving nothing to abort."""
+    engine = LLMEngine(EngineConfig.create(str(model_dir), num_kv_blocks=256, max_num_seqs=64))
+    step = engine.step
+
+    def paced_step():
+        time.sleep(0.01)
+        return step()
+
+    engine.step = paced_step
+    return engine
 
 
 def test_64_concurrent_streams_complete_and_share_steps(llama_dir):
@@ -52,7 +69,7 @@ def test_64_concurrent_streams_complete_and_share_steps(llama_dir):
 
 
 def test_client_that_disconnects_mid_stream_is_aborted(llama_dir):
-    with live_server(llama_dir) as server:
+    with live_server(llama_dir, engine_factory=lambda: _paced_engine(llama_dir)) as server:
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 1000, "stream": True,
                 "ignore_eos": True}
         with httpx.Client(timeout=30) as client, client.stream("POST", server.url + "/v1/completions",

@@ -10,8 +10,8 @@ import torch
 
 from llmaccel.cli import main
 from llmaccel.config import EngineConfig
+from llmaccel.data.corpora import load_corpus, strip_wiki_markup
 from llmaccel.engine.engine import LLMEngine
-from llmaccel.quantization.corpora import load_corpus, strip_wiki_markup
 from llmaccel.quantization.perplexity import perplexity
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks. "

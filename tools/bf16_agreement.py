@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmaccel import LLM
-from llmaccel.bench.datasets import builtin_prompts
+from llmaccel.data.prompts import builtin_prompts
 from llmaccel.model.loader import hf_dir_for
 from llmaccel.platform import describe
 from llmaccel.sampling_params import SamplingParams

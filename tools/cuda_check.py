@@ -157,7 +157,7 @@ def prefix_caching(root, device):
 def speed(arch_dir, root, device, num_prompts, new_tokens):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     config = AutoConfig.from_pretrained(arch_dir)
     torch.manual_seed(0)

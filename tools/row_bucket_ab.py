@@ -14,7 +14,7 @@ import sys
 import time
 
 import llmaccel.ops.cpu_linear as cpu_linear
-from llmaccel.bench.datasets import builtin_prompts
+from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
 from llmaccel.platform import describe
 from llmaccel.sampling_params import SamplingParams

@@ -26,7 +26,7 @@ from llmaccel.bench.compare import free_port, start_server
 OFFLINE = """
 import sys, time
 from llmaccel import LLM, SamplingParams
-from llmaccel.bench.datasets import builtin_prompts
+from llmaccel.data.prompts import builtin_prompts
 n, out = int(sys.argv[1]), int(sys.argv[2])
 llm = LLM()
 conv = [[{"role": "user", "content": p.prompt}] for p in builtin_prompts()[:n]]
@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     parser.add_argument("--repeat", type=int, default=2, help="rounds of (streamed, non-streamed, offline)")
     args = parser.parse_args()
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     prompts = [p.prompt for p in builtin_prompts()[:args.num_prompts]]
     port = free_port()

@@ -1,21 +1,15 @@
-"""Prompt sets for the benchmarks: the built-in chat prompts, ShareGPT files, random token prompts."""
+"""Prompt sets for the benchmarks: the built-in chat prompts, ShareGPT files, random token prompts
+(the prompt sources themselves live in data/prompts.py, below every package that reads them)."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
+from llmaccel.data.prompts import builtin_prompts, read_sharegpt
+
 DATASETS = ("builtin", "sharegpt", "random")
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    prompt: str
-    lang: str
-    output_len: int  # the target output length drawn for this prompt
 
 
 @dataclass(frozen=True)
@@ -27,44 +21,12 @@ class SampleRequest:
     expected_output_len: int
 
 
-def builtin_prompts() -> list[BenchPrompt]:
-    """The shipped set: 200 chat prompts (English and Chinese) with realistic target lengths."""
-    text = files("llmaccel.bench").joinpath("data/chat_prompts.jsonl").read_text(encoding="utf-8")
-    return [BenchPrompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
-
-
 def builtin_requests(tokenizer, num_prompts: int, output_len: int | None = None) -> list[SampleRequest]:
     prompts = builtin_prompts()
     if num_prompts > len(prompts):
         raise ValueError(f"the built-in set has {len(prompts)} prompts; ask for at most that many")
     return [SampleRequest(p.prompt, len(tokenizer.encode(p.prompt, add_special_tokens=False)),
                           output_len or p.output_len) for p in prompts[:num_prompts]]
-
-
-def read_sharegpt(path: Path) -> list[dict]:
-    """The conversations of a ShareGPT JSON file (a list of {"conversations": [{"from", "value"}]}).
-
-    Read item by item, so a file cut off in the middle (as some published copies are) still yields
-    every complete conversation before the cut."""
-    text = Path(path).read_text(encoding="utf-8")
-    start = text.find("[")
-    if start < 0:
-        raise ValueError(f"{path}: not a ShareGPT file (expected a JSON list of conversations)")
-    decoder = json.JSONDecoder()
-    items, pos = [], start + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # truncated file: keep what came before
-        items.append(item)
-    if not items:
-        raise ValueError(f"{path}: no complete conversation found")
-    return items
 
 
 def sharegpt_requests(path: Path, tokenizer, num_prompts: int, output_len: int | None = None,

@@ -79,7 +79,7 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: list[str]) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in GUARD_VARIANTS]

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_mode(args: argparse.Namespace, prefix_caching: bool) -> dict:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
     from llmaccel.llm import LLM
     from llmaccel.sampling_params import SamplingParams
 

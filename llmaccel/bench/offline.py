@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload(args: argparse.Namespace, tokenizer) -> tuple[list[list[int]], list[int]]:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     prompts = builtin_prompts()
     if args.num_prompts > len(prompts):

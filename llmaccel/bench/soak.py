@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from llmaccel.bench.datasets import builtin_prompts
+from llmaccel.data.prompts import builtin_prompts
 from llmaccel.server.metrics import PREFIX, parse_metrics
 
 OUTCOMES = ("completed", "disconnected", "timed_out", "refused", "lost")

@@ -25,7 +25,7 @@ from llmaccel.model.loader import load_checkpoint
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.platform import describe
-from llmaccel.quantization.checkpoint import load_prequantized
+from llmaccel.quantization.prequantized import load_prequantized
 from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
 

@@ -50,7 +50,7 @@ def calibration_token_ids(tokenizer, path: Path | None, num_samples: int) -> lis
     if num_samples < 1:
         raise ValueError(f"--calib-samples must be at least 1, got {num_samples}")
     if path is None:
-        from llmaccel.bench.datasets import builtin_prompts
+        from llmaccel.data.prompts import builtin_prompts
 
         samples: list[str | list[dict]] = [[{"role": "user", "content": p.prompt}] for p in builtin_prompts()]
     else:

@@ -15,7 +15,6 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from llmaccel.quantization.formats import METHODS, Int4Weight, Int8Weight, check_group_size, quantize, quantize_int8
+from llmaccel.quantization.formats import METHODS, Int8Weight, check_group_size, quantize, quantize_int8
+from llmaccel.quantization.prequantized import CONFIG_NAME
 
-CONFIG_NAME = "llmaccel_quantization.json"
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 EMBEDDING_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -111,36 +110,6 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
               "reference_perplexity": reference, "source": model}
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=1))
     return out
-
-
-def read_quantization_config(hf_dir: Path) -> dict | None:
-    path = hf_dir / CONFIG_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def load_prequantized(hf_dir: Path, weights: Mapping[str, torch.Tensor]) -> tuple[str, dict] | None:
-    """(method, {weight name: Int8Weight | Int4Weight}) for a directory written by quantize_checkpoint.
-    A tensor with zeros is INT4; one without is INT8 (the embedding is INT8 even in an INT4 checkpoint)."""
-    config = read_quantization_config(hf_dir)
-    if config is None:
-        return None
-    method = config.get("method")
-    if method not in METHODS:
-        raise ValueError(f"{hf_dir / CONFIG_NAME}: unknown method {method!r}")
-    out: dict[str, Int8Weight | Int4Weight] = {}
-    names = set(weights)
-    for name in names:
-        if not name.endswith(".qweight"):
-            continue
-        base = name.removesuffix(".qweight")
-        if base + ".zeros" not in names:
-            q, scale = weights[name], weights[base + ".scales"].float()
-            group = None if scale.dim() == 1 else q.shape[1] // scale.shape[1]
-            out[base + ".weight"] = Int8Weight(q, scale, group)
-        else:
-            out[base + ".weight"] = Int4Weight(weights[name], weights[base + ".scales"].float(),
-                                               weights[base + ".zeros"].float(), int(config["group_sizes"][base]))
-    return method, out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from llmaccel.data.corpora import NAMED_CORPORA, load_corpus
 from llmaccel.model.layers import weight_bytes
-from llmaccel.quantization.corpora import NAMED_CORPORA, load_corpus
 
 # label -> engine options; "int4" uses groups of 32 (the default); "-g64": the coarser grid; "awq": quantize
 # with AWQ on the built-in calibration prompts first; "+emb8": the embedding and LM head in INT8 too
@@ -92,7 +92,7 @@ def perplexity(engine, text: str, max_tokens: int, ctx: int, stride: int, progre
 
 
 def decode_speed(llm, batch: int, tokens: int = 128) -> float:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
     from llmaccel.sampling_params import SamplingParams
 
     prompts = [p.prompt for p in builtin_prompts()[:batch]]
@@ -133,7 +133,7 @@ def _variants(args: argparse.Namespace) -> dict[str, dict]:
 
     path = resolve_model_path(args.model)
     if not args.compare:
-        from llmaccel.quantization.checkpoint import read_quantization_config
+        from llmaccel.quantization.prequantized import read_quantization_config
 
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
                    "quantize_embedding": args.quantize_embedding or None, "kv_window": args.kv_window,

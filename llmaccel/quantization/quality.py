@@ -18,7 +18,7 @@ VALIDATION_TOKENS = 256
 
 
 def validation_ids(tokenizer) -> list[int]:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     text = "\n\n".join(p.prompt for p in builtin_prompts())
     return tokenizer.encode(text, add_special_tokens=False)[:VALIDATION_TOKENS]
@@ -35,7 +35,7 @@ def reference_perplexity(engine) -> float | None:
     """The float model's perplexity on the validation slice: stored by `llmaccel quantize`, measured
     here once (on a second, float copy of the model, built and dropped) for a model quantized at load,
     and None for a float model (its own first measurement is the reference)."""
-    from llmaccel.quantization.checkpoint import read_quantization_config
+    from llmaccel.quantization.prequantized import read_quantization_config
 
     saved = read_quantization_config(engine.hf_dir)
     if saved is not None:

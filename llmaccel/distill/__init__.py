@@ -1,0 +1,6 @@
+"""Teacher -> student distillation (`llmaccel distill`): a tool above the engine; serving never imports it.
+
+student.py picks the teacher's layers the student keeps and copies them; corpus.py turns the named
+corpora (and the teacher's own chat answers) into token windows; train.py runs the loop with its
+checkpoints; evaluate.py holds teacher and student against each other on held-out text.
+"""

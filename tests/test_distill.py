@@ -1,0 +1,166 @@
+"""`llmaccel distill` on tiny teachers made here: which layers the student keeps and that they are the
+teacher's, that the output directory is a model llmaccel serves token-identical to HF, that an
+interrupted run resumes to the very weights an uninterrupted one reaches, and that training brings the
+student closer to its teacher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmaccel import LLM
+from llmaccel.distill.student import influential_layers, make_student, spaced_layers
+from llmaccel.distill.train import DistillConfig, Distiller, distill
+from llmaccel.sampling_params import SamplingParams
+from tests.tiny_models import CORPUS, _common, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A four-layer tiny Llama with tied embeddings."""
+    config = LlamaConfig(**{**_common(tiny_tokenizer), "num_hidden_layers": 4}, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0)
+    torch.manual_seed(7)
+    out = tmp_path_factory.mktemp("teacher")
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(CORPUS * 6), encoding="utf-8")
+    return path
+
+
+def _config(out: Path, teacher_dir: Path, corpus_file: Path, **overrides) -> DistillConfig:
+    options = dict(out=out, teacher=str(teacher_dir), student_layers=2, corpora=(str(corpus_file),), minutes=None,
+                   max_steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=2, eval_windows=2, progress=False)
+    return DistillConfig(**{**options, **overrides})
+
+
+def test_spaced_layers_keep_the_first_and_the_last():
+    assert spaced_layers(30, 8) == [0, 4, 8, 12, 17, 21, 25, 29]
+    assert spaced_layers(4, 4) == [0, 1, 2, 3]
+    assert spaced_layers(4, 2) == [0, 3]
+    assert spaced_layers(4, 1) == [3]
+    for keep in (0, 5):
+        with pytest.raises(ValueError, match="--student-layers"):
+            spaced_layers(4, keep)
+
+
+def test_a_student_with_every_layer_computes_what_the_teacher_does(teacher_dir):
+    teacher = LlamaForCausalLM.from_pretrained(teacher_dir).eval()
+    student = make_student(teacher, [0, 1, 2, 3]).eval()
+    ids = torch.tensor([[5, 9, 17, 33, 2, 71, 8]])
+    with torch.no_grad():
+        assert torch.equal(student(ids).logits, teacher(ids).logits)
+
+
+def test_the_kept_layers_are_the_teachers(teacher_dir):
+    teacher = LlamaForCausalLM.from_pretrained(teacher_dir).eval()
+    student = make_student(teacher, [1, 3])
+    assert student.config.num_hidden_layers == 2
+    for mine, theirs in ((0, 1), (1, 3)):
+        for name, tensor in student.model.layers[mine].state_dict().items():
+            assert torch.equal(tensor, teacher.model.layers[theirs].state_dict()[name]), name
+    assert torch.equal(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
+    assert student.lm_head.weight.data_ptr() == student.model.embed_tokens.weight.data_ptr()  # still tied
+    with pytest.raises(ValueError, match="distinct teacher layer indices"):
+        make_student(teacher, [3, 1])
+
+
+def test_influence_drops_a_layer_that_leaves_the_hidden_state_as_it_was(teacher_dir):
+    teacher = LlamaForCausalLM.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():  # layer 2 adds nothing to the residual stream: its output is its input
+        teacher.model.layers[2].self_attn.o_proj.weight.zero_()
+        teacher.model.layers[2].mlp.down_proj.weight.zero_()
+    windows = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    chosen, scores = influential_layers(teacher, windows, keep=3)
+    assert scores[2] == pytest.approx(0.0, abs=1e-6)
+    assert chosen == [0, 1, 3]
+
+
+def test_the_student_is_a_model_llmaccel_serves_as_hf_runs_it(tmp_path, teacher_dir, corpus_file):
+    summary = distill(_config(tmp_path / "student", teacher_dir, corpus_file, max_steps=3))
+    out = tmp_path / "student"
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert summary["steps"] == 3 and summary["tokens"] == 3 * 2 * 16
+    assert len(summary["student_layers"]) == 2 and summary["heldout_after"][str(corpus_file)]["tokens"] == 2 * 16
+    assert (out / "distill-state" / "training-curve.png").stat().st_size > 0
+    llm = LLM(str(out), dtype="float32")
+    prompt = [5, 9, 17, 33, 2, 71, 8]
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                     ignore_eos=True))[0].outputs[0].token_ids
+    assert list(got) == hf_greedy(out, prompt, 12)
+
+
+def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path, teacher_dir, corpus_file,
+                                                                           monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    distill(_config(straight, teacher_dir, corpus_file, max_steps=4))
+    real_step = Distiller.train_step
+
+    def interrupted_after_two(self):  # Ctrl-C as the third step starts
+        if self.state.step == 2:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Distiller, "train_step", interrupted_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        distill(_config(resumed, teacher_dir, corpus_file, max_steps=4))
+    monkeypatch.setattr(Distiller, "train_step", real_step)
+    first_half = [json.loads(line) for line in (resumed / "distill-state" / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in first_half] == [1, 2]
+    distill(_config(resumed, teacher_dir, corpus_file, max_steps=4))
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    losses = [[json.loads(line)["loss"] for line in (d / "distill-state" / "log.jsonl").read_text().splitlines()]
+              for d in (straight, resumed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    with pytest.raises(ValueError, match="student_layers = 2, not 3"):
+        distill(_config(resumed, teacher_dir, corpus_file, student_layers=3, max_steps=6))
+
+
+def test_training_brings_the_student_closer_to_its_teacher(tmp_path, teacher_dir, corpus_file):
+    summary = distill(_config(tmp_path / "s", teacher_dir, corpus_file, student_layers=1, max_steps=80,
+                              kl_weight=1.0))
+    name = str(corpus_file)
+    before, after = summary["heldout_before"][name], summary["heldout_after"][name]
+    assert after["kl_per_token"] < 0.8 * before["kl_per_token"]
+
+
+def test_the_chat_corpus_is_the_teachers_answers(tmp_path, teacher_dir):
+    out = tmp_path / "s"
+    distill(DistillConfig(out=out, teacher=str(teacher_dir), student_layers=2, corpora=("chat",), minutes=None,
+                          max_steps=1, batch_size=2, seq_len=16, eval_windows=1, chat_prompts=6, chat_max_tokens=24,
+                          progress=False))
+    answers = [json.loads(line) for line in (out / "distill-state" / "chat-corpus.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 and all(a["prompt"] and isinstance(a["answer"], str) for a in answers)
+    text = (out / "distill-state" / "chat-corpus.txt").read_text()
+    assert text.count("<|im_start|>assistant") == 6
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"corpora": ("no-such-corpus",)}, "'no-such-corpus' is neither a file nor one of"),
+    ({"kl_weight": 1.5}, "--kl-weight must be in"),
+    ({"max_steps": None, "minutes": None}, "give --minutes or --max-steps"),
+    ({"layer_choice": "random"}, "--layer-choice 'random'"),
+    ({"seq_len": 0}, "--seq-len must be at least 1"),
+])
+def test_bad_settings_are_refused_with_their_name(tmp_path, teacher_dir, corpus_file, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path / "s", teacher_dir, corpus_file, **overrides)
+
+
+def test_more_layers_than_the_teacher_has_is_refused(tmp_path, teacher_dir, corpus_file):
+    with pytest.raises(ValueError, match="the teacher has 4 layers"):
+        distill(_config(tmp_path / "s", teacher_dir, corpus_file, student_layers=5, layer_choice="spaced"))

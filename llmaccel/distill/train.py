@@ -268,12 +268,14 @@ def distill(config: DistillConfig) -> dict:
     print(f"student: teacher layers {state.layers} of {run.teacher.config.num_hidden_layers} ({config.layer_choice}); "
           f"training in {str(run.dtype).removeprefix('torch.')}")
     total = config.max_steps or state.horizon
+    if total is not None and total <= state.step:  # a budget extended past the schedule's estimate
+        total = None
     bar = tqdm(total=total, initial=state.step, desc="distill", unit="step", disable=not config.progress)
     last_save = time.monotonic()
     try:
         while not run.done():
             entry = run.train_step()
-            if not bar.total and state.horizon is not None:
+            if not bar.total and state.horizon is not None and state.horizon > state.step:
                 bar.total = state.horizon
                 bar.refresh()
             bar.update(1)

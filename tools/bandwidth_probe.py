@@ -17,15 +17,9 @@ import time
 import torch
 
 from llmaccel.ops.gemv import gemv_kernels, pack_int4_blocks
-from llmaccel.platform import describe, huge_page_buffer
+from llmaccel.platform import describe, huge_page_buffer, read_bandwidth_gbps
 
 INPUTS = 576  # the default model's width: 18 INT4 blocks a row group
-
-
-def float_buffer(megabytes: int) -> torch.Tensor:
-    buffer = huge_page_buffer(megabytes * 2**20)[0].view(torch.float32)
-    torch.arange(buffer.numel(), out=buffer)  # distinct pages
-    return buffer
 
 
 def int4_weight(megabytes: int) -> tuple[torch.Tensor, int]:
@@ -56,18 +50,15 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("llmaccel's CPU kernels are unavailable here (see the log)")
     print(describe())
-    sums = {mb: float_buffer(mb) for mb in (70, 512)}
     weights = {mb: int4_weight(mb) for mb in (70, 512)}
     x = torch.randn(1, INPUTS)
     threads = torch.get_num_threads()
     print("GB/s: sum over 512 MB with 1 and all threads; sum and INT4 kernel over 70 and 512 MB, all threads")
     for _ in range(args.rounds):
-        torch.set_num_threads(1)
-        one = best_gbps(lambda: sums[512].sum(), sums[512].numel() * 4)
+        torch.set_num_threads(1)  # the ceiling's own reading (platform.read_bandwidth_gbps), on one thread
+        cells = [f"sum512 1 thread {read_bandwidth_gbps(512):.1f}"]
         torch.set_num_threads(threads)
-        cells = [f"sum512 1 thread {one:.1f}"]
-        for mb, buffer in sums.items():
-            cells.append(f"sum{mb} {best_gbps(lambda b=buffer: b.sum(), buffer.numel() * 4):.1f}")
+        cells += [f"sum{mb} {read_bandwidth_gbps(mb):.1f}" for mb in (70, 512)]
         for mb, (blocks, rows) in weights.items():
             rate = best_gbps(lambda b=blocks, n=rows: kernels.gemv_i4(x, b, n), blocks.numel())
             cells.append(f"int4-{mb} {rate:.1f}")

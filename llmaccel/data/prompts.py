@@ -18,7 +18,6 @@ class BuiltinPrompt:
     output_len: int  # the target output length drawn for this prompt
 
 
-
 def builtin_prompts() -> list[BuiltinPrompt]:
     """The shipped set: 200 chat prompts (English and Chinese) with realistic target lengths."""
     text = files("llmaccel.data").joinpath("chat_prompts.jsonl").read_text(encoding="utf-8")

@@ -141,6 +141,7 @@ class Distiller:
         if config.restart and self.checkpoint_dir.exists():
             shutil.rmtree(self.checkpoint_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save_pretrained(self.out)
         self.corpora = token_corpora(list(config.corpora), self.tokenizer, self.teacher_dir, self.state_dir,
                                      config.seq_len, chat_prompts=config.chat_prompts,
                                      chat_max_tokens=config.chat_max_tokens, seed=config.seed)
@@ -229,8 +230,9 @@ class Distiller:
         fresh.rename(self.checkpoint_dir)
         if old.exists():
             shutil.rmtree(old)
-        self.student.save_pretrained(self.out)
-        self.tokenizer.save_pretrained(self.out)
+        for item in self.checkpoint_dir.iterdir():  # the student as written above, not serialized again
+            if item.name != "train_state.pt":
+                shutil.copy2(item, self.out / item.name)
         with open(self.state_dir / "log.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(entry) + "\n" for entry in self.state.log)
 

@@ -40,6 +40,22 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
                         help="context window (default: the model's, capped by the KV budget)")
+    spec = parser.add_argument_group("speculative decoding (the output stays the model's own: greedy is "
+                                     "token-identical, sampling follows its distribution)")
+    spec.add_argument("--speculative-model", metavar="DIR",
+                      help="a smaller draft model with the same tokenizer (e.g. a student from `llmaccel distill`); "
+                           "it proposes tokens the model verifies in one pass")
+    spec.add_argument("--speculative-method", choices=("draft", "ngram"),
+                      help="draft: the --speculative-model (implied by it); ngram: prompt lookup, drafts copied from "
+                           "earlier in the context, no second model (strong for edits, summaries, code)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=2, metavar="K",
+                      help="drafts verified per request and step (1-16)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                      help="ngram: the longest context suffix searched for earlier in the context")
+    spec.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N", help="ngram: the shortest")
+    spec.add_argument("--speculative-max-batch", type=int, metavar="B",
+                      help="speculate only while at most B requests run (default: decided per batch size by the "
+                           "tokens/s measured with and without drafts while serving)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -54,6 +70,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["num_kv_blocks"] = args.num_kv_blocks
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    options.update(speculative_model=args.speculative_model, speculative_method=args.speculative_method,
+                   num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
+                   prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch)
     return options
 
 
@@ -122,6 +141,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("compare", "compare", "the headline table: HF baseline server vs llmaccel (and peers)", "add_arguments", "run"),
     ("hf-server", "hf_server", "the HF transformers baseline server (one request at a time)", "add_arguments", "run"),
     ("offline", "offline", "llmaccel vs HF transformers on the same prompts, in one run", "add_arguments", "run"),
+    ("spec", "speculative", "speculative decoding (draft models, ngram) against plain decoding in one process: "
+     "tokens/s on a lone request, a copy-heavy one and a batch, and whether the outputs stayed identical",
+     "add_arguments", "run"),
     ("multiturn", "multiturn", "multi-turn chats with prefix caching off and on: prefill computed, throughput",
      "add_arguments", "run"),
     ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "

@@ -114,11 +114,53 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+MAX_SPECULATIVE_TOKENS = 16  # past this many drafts a step the last ones are almost never kept
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (spec/): a drafter proposes tokens, the model verifies them in one pass."""
+
+    speculative_method: str | None = None  # "draft": a smaller model (speculative_model); "ngram": prompt
+    # lookup, drafts copied from earlier in the context; None: off (or "draft" when a model is given)
+    speculative_model: str | None = None  # the draft model: a directory, GGUF file or alias, same tokenizer
+    num_speculative_tokens: int = 2  # drafts a decoding request has verified per step (K); 2 measured best
+    # on a 2-core Zen 4 (docs/benchmarks.md: three verification rows cost ~1.2x one, four 1.5-2x)
+    prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram searched for ...
+    prompt_lookup_min: int = 2  # ... and the shortest
+    speculative_max_batch: int | None = None  # speculate only while at most this many requests run;
+    # None: measured while serving (spec/policy.py)
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, "draft", "ngram"):
+            raise ValueError(f"unknown speculative method {self.speculative_method!r}; choose draft or ngram")
+        if self.speculative_method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative method 'draft' needs --speculative-model (the draft model)")
+        if self.speculative_method == "ngram" and self.speculative_model is not None:
+            raise ValueError("--speculative-method ngram drafts without a model; drop --speculative-model")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got "
+                             f"{self.num_speculative_tokens}: a draft is kept only if every draft before it was, "
+                             "so past a few the rest cost a pass and are almost never kept")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+
+    @property
+    def method(self) -> str | None:
+        if self.speculative_method is None and self.speculative_model is not None:
+            return "draft"
+        return self.speculative_method
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def create(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
@@ -126,7 +168,8 @@ class EngineConfig:
         if "kv_cache_memory" in kwargs:
             kwargs["kv_cache_memory"] = parse_memory_size(kwargs["kv_cache_memory"])  # type: ignore[arg-type]
         parts = {}
-        for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                            ("speculative", SpeculativeConfig)):
             names = {f.name for f in fields(klass)}
             chosen = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
             if klass is ModelConfig:

@@ -30,6 +30,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    spec_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request ...
+    spec_accepted_tokens: int = 0  # ... and kept
 
 
 @dataclass

@@ -8,24 +8,37 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from llmaccel.engine.request import Request
-from llmaccel.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
+from llmaccel.spec.verify import accepted_greedy, accepted_sampled
 
 Sampled = tuple[int, Logprob | None, float | None]  # token, its logprobs (if asked), top probability (if asked)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, Sampled]  # request id -> what it sampled
+    sampled: dict[str, list[Sampled]]  # request id -> the tokens it took this step, in order
     failed: dict[str, BaseException]  # request id -> why it could not sample
+
+
+@dataclass
+class Span:
+    """Tokens of one sequence to run at positions start.. (its blocks allocated). `as_rows`: each token is
+    a decode query of its own (the decode kernels; successive rows see each other), else one causal chunk."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    as_rows: bool = False
 
 
 class ModelRunner:
@@ -57,82 +70,143 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def execute(self, output: SchedulerOutput, confidence: bool = False) -> StepResult:
-        """Run one step; returns the sampled token, its logprobs (if asked) and, with `confidence`, the
-        top probability of its sampling distribution, for every request that samples, and the error
-        of each request whose sampling failed (the others are not affected). An error of the forward
-        pass, which no request can be blamed for, is raised."""
-        decodes = [s for s in output.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in output.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, slots = [], [], []
+    def execute(self, output: SchedulerOutput, confidence: bool = False,
+                drafts: Mapping[str, list[int]] | None = None) -> StepResult:
+        """Run one step; returns, for every request that samples, its new tokens (one, or with `drafts`
+        the kept drafts and one more, spec/verify.py), each with its logprobs (if asked) and, with
+        `confidence`, the top probability of its sampling distribution; and the error of each request
+        whose sampling failed (the others are not affected). An error of the forward pass, which no
+        request can be blamed for, is raised. `drafts`: request id -> tokens proposed after its last
+        token, verified in this pass as rows of their own (the scheduler gave them slots)."""
+        drafts = drafts or {}
+        spans = []
+        for item in output.scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            if item.num_new_tokens == 1:
+                spans.append(Span(request, start, [request.all_token_ids[start], *drafts.get(request.request_id, ())],
+                                  as_rows=True))
+            else:
+                spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
+        by_request = {item.request.request_id: item for item in output.scheduled}
+        hidden, spans = self.forward_spans(spans)
+        # rows to sample, of the spans that reach their request's last token: every row of a rows span
+        # (a draft's verdict needs the target's token there), the last row of a chunk
         sample_rows: list[int] = []
-        sampled_items: list[ScheduledRequest] = []
-        for item in ordered:
-            request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:start + count])
-            positions.extend(range(start, start + count))  # absolute: RoPE sees the true position
-            table_start = start - self._skipped(request)  # where it lands in the (windowed) block table
-            slots.extend(self._slots(request.block_ids, table_start, table_start + count))
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sampled_items.append(item)
-        meta = self._metadata(decodes, prefills, slots)
-        device = self.device
-        hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                            meta, self.kv_caches)
-        if not sampled_items:
+        sampled_spans: list[tuple[Span, int]] = []
+        offset = 0
+        for span in spans:
+            if by_request[span.request.request_id].samples:
+                count = len(span.token_ids) if span.as_rows else 1
+                sampled_spans.append((span, len(sample_rows)))
+                sample_rows.extend(range(offset + len(span.token_ids) - count, offset + len(span.token_ids)))
+            offset += len(span.token_ids)
+        if not sampled_spans:
             return StepResult({}, {})
-        if len(sample_rows) < hidden.shape[0]:  # prefill rows before their last: no logits wanted
-            hidden = hidden[torch.tensor(sample_rows, device=device)]
+        device = self.device
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
         logits = self.model.compute_logits(hidden)
-        rows, keep, failed = [], [], {}
-        for i, item in enumerate(sampled_items):  # a row that cannot be built fails its request alone
+        rows, keep, owners, failed = [], [], [], {}
+        for span, first in sampled_spans:  # a row that cannot be built fails its request alone
+            request = span.request
+            proposal = span.token_ids[1:] if span.as_rows else []
             try:
-                rows.append(self.sampling_row(item.request))
-                keep.append(i)
+                built = [self.sampling_row(request)] + [self.sampling_row(request, proposal[:j])
+                                                        for j in range(1, len(proposal) + 1)]
             except Exception as exc:
-                failed[item.request.request_id] = exc
-        if len(keep) < len(sampled_items):
-            logits = logits[torch.tensor(keep, device=device)]
-        ids = [sampled_items[i].request.request_id for i in keep]
-        sampled, sample_failures = self._sample(logits, rows, ids, confidence)
-        failed.update(sample_failures)
+                failed[request.request_id] = exc
+                continue
+            rows.extend(built)
+            keep.extend(range(first, first + len(built)))
+            owners.append((span, len(keep) - len(built)))
+        if len(keep) < len(sample_rows):
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=device)]
+        row_results, row_failures = self._sample(logits, rows, confidence)
+        sampled: dict[str, list[Sampled]] = {}
+        for span, first in owners:
+            request = span.request
+            count = len(span.token_ids) if span.as_rows else 1
+            indices = range(first, first + count)
+            errors = [row_failures[i] for i in indices if i in row_failures]
+            if errors:
+                failed[request.request_id] = errors[0]
+                continue
+            results = [row_results[i] for i in indices]
+            if count == 1:
+                sampled[request.request_id] = results
+                continue
+            try:
+                sampled[request.request_id] = self._verify(span, logits[first:first + count], rows[first:first + count],
+                                                           results)
+            except Exception as exc:
+                failed[request.request_id] = exc
         return StepResult(sampled, failed)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str], confidence: bool
-                ) -> tuple[dict[str, Sampled], dict[str, BaseException]]:
-        """One batched call; if it raises, each row alone from the same generator states, so the
-        rows that do not raise get exactly the tokens the batch would have given them."""
+    def _verify(self, span: Span, logits: torch.Tensor, rows: list[SamplingRow], results: list[Sampled]
+                ) -> list[Sampled]:
+        """The tokens a decode span keeps of its drafts, and one more (spec/verify.py), with their
+        logprobs and confidence from the row each was chosen at."""
+        proposal = span.token_ids[1:]
+        targets = [token for token, _, _ in results]
+        if rows[0].params.greedy:
+            return results[:len(accepted_greedy(targets, proposal))]
+        probs = self.sampler.distribution(logits, rows)
+        tokens = accepted_sampled(probs, proposal, targets[-1], rows[0].generator)
+        kept = []
+        for j, token in enumerate(tokens):
+            sampled_token, logprob, top = results[j]
+            if token != sampled_token and logprob is not None:  # the row drew another token: its own logprobs
+                logprob = self.sampler.logprob(logits[j], token, rows[j].params.logprobs or 0)
+            kept.append((token, logprob, top))
+        return kept
+
+    @torch.inference_mode()
+    def forward_spans(self, spans: list[Span]) -> tuple[torch.Tensor, list[Span]]:
+        """Run spans of tokens (their blocks allocated) through the model, writing their K/V. Returns the
+        final hidden states, [rows, hidden], and the spans in the order of those rows: rows spans first
+        (every token a decode query of its own), then chunks (causal within, over their cached context)."""
+        ordered = [s for s in spans if s.as_rows] + [s for s in spans if not s.as_rows]
+        input_ids, positions, slots = [], [], []
+        for span in ordered:
+            count = len(span.token_ids)
+            input_ids.extend(span.token_ids)
+            positions.extend(range(span.start, span.start + count))  # absolute: RoPE sees the true position
+            table_start = span.start - self._skipped(span.request)  # where it lands in the (windowed) block table
+            slots.extend(self._slots(span.request.block_ids, table_start, table_start + count))
+        meta = self._metadata(ordered, slots)
+        device = self.device
+        hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta,
+                            self.kv_caches)
+        return hidden, ordered
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], confidence: bool
+                ) -> tuple[dict[int, Sampled], dict[int, BaseException]]:
+        """One batched call, results by row; if it raises, each row alone from the same generator states,
+        so the rows that do not raise get exactly the tokens the batch would have given them."""
         if not rows:
             return {}, {}
         states = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
             tokens, logprobs, top = self.sampler.sample(logits, rows, confidence)
-            return {rid: (tokens[i], logprobs[i], top[i] if top else None) for i, rid in enumerate(ids)}, {}
+            return {i: (tokens[i], logprobs[i], top[i] if top else None) for i in range(len(rows))}, {}
         except Exception:
             for generator, state in states:
                 generator.set_state(state)
         sampled, failed = {}, {}
-        for i, (row, rid) in enumerate(zip(rows, ids, strict=True)):
+        for i, row in enumerate(rows):
             try:
                 tokens, logprobs, top = self.sampler.sample(logits[i:i + 1], [row], confidence)
-                sampled[rid] = (tokens[0], logprobs[0], top[0] if top else None)
+                sampled[i] = (tokens[0], logprobs[0], top[0] if top else None)
             except Exception as exc:
-                failed[rid] = exc
+                failed[i] = exc
         return sampled, failed
 
     @torch.inference_mode()
     def chunk_hidden(self, request: Request, count: int) -> torch.Tensor:
         """Compute the next `count` tokens of `request` (its blocks allocated) as one prefill chunk,
         writing their KV; returns the final hidden states, [count, hidden]."""
-        start, device = request.num_computed_tokens, self.device
-        item = ScheduledRequest(request, count)
-        table_start = start - self._skipped(request)
-        slots = self._slots(request.block_ids, table_start, table_start + count)
-        return self.model(torch.tensor(request.all_token_ids[start:start + count], device=device),
-                          torch.arange(start, start + count, device=device),
-                          self._metadata([], [item], slots), self.kv_caches)
+        start = request.num_computed_tokens
+        return self.forward_spans([Span(request, start, request.all_token_ids[start:start + count])])[0]
 
     @torch.inference_mode()
     def chunk_logprobs(self, request: Request, count: int, rows: int = 256) -> torch.Tensor:
@@ -157,34 +231,46 @@ class ModelRunner:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
-                  slots: list[int]) -> AttentionMetadata:
+    def _metadata(self, spans: list[Span], slots: list[int]) -> AttentionMetadata:
+        """Rows spans (first in `spans`) become decode queries, one per token, each seeing its sequence up
+        to itself; chunks become prefill spans."""
         device = self.device
         tables = lens = None
         max_len = 0
-        if decodes:
-            width = max(len(s.request.block_ids) for s in decodes)
-            tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes],
-                                  dtype=torch.int32, device=device)
-            context = [s.request.num_computed_tokens + 1 - self._skipped(s.request) for s in decodes]
+        row_spans = [s for s in spans if s.as_rows]
+        kv_first = any(len(s.token_ids) > 1 for s in row_spans)
+        if row_spans:
+            width = max(len(s.request.block_ids) for s in row_spans)
+            table_rows, context = [], []
+            for span in row_spans:
+                table = span.request.block_ids + [0] * (width - len(span.request.block_ids))
+                end = span.start - self._skipped(span.request)
+                for j in range(len(span.token_ids)):
+                    table_rows.append(table)
+                    context.append(end + j + 1)
+            tables = torch.tensor(table_rows, dtype=torch.int32, device=device)
             lens = torch.tensor(context, dtype=torch.int32, device=device)
             max_len = max(context)
-        spans = []
-        offset = len(decodes)
-        for item in prefills:
-            start = item.request.num_computed_tokens - self._skipped(item.request)
-            context_len = start + item.num_new_tokens
+        prefills = []
+        offset = len(lens) if lens is not None else 0
+        for span in spans:
+            if span.as_rows:
+                continue
+            start = span.start - self._skipped(span.request)
+            count = len(span.token_ids)
+            context_len = start + count
             context_slots = None
             if start > 0:
-                context_slots = torch.tensor(self._slots(item.request.block_ids, 0, context_len), device=device)
-            spans.append(PrefillSpan(offset, item.num_new_tokens, context_len, context_slots))
-            offset += item.num_new_tokens
+                context_slots = torch.tensor(self._slots(span.request.block_ids, 0, context_len), device=device)
+            prefills.append(PrefillSpan(offset, count, context_len, context_slots))
+            offset += count
         return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                                 num_decode_tokens=len(decodes), decode_block_tables=tables,
-                                 decode_context_lens=lens, prefills=spans, block_size=self.block_size,
-                                 decode_max_len=max_len)
+                                 num_decode_tokens=len(lens) if lens is not None else 0, decode_block_tables=tables,
+                                 decode_context_lens=lens, prefills=prefills, block_size=self.block_size,
+                                 decode_max_len=max_len, decode_kv_first=kv_first)
 
-    def sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
+        """The request's sampling row; with `drafts`, for the token after its output and those drafts."""
         params = request.params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -193,5 +279,5 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
                 self._generators[request.request_id] = generator
-        return sampling_row(params, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids,
-                            generator)
+        output = request.output_token_ids + drafts if drafts else request.output_token_ids
+        return sampling_row(params, request.prompt_token_ids, output, request.eos_token_ids, generator)

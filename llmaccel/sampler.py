@@ -147,6 +147,10 @@ class Sampler:
             return tuple(kernels.sample_rows(logits, temps, top_k, top_p, min_p, uniform))
         return draw_reference(self._probs(logits, rows), uniform.to(logits.device))
 
+    def logprob(self, logits: torch.Tensor, token: int, top_n: int) -> Logprob:
+        """The raw logprobs of `token` (and the top `top_n`) under one row of logits, [V]."""
+        return self._logprob(torch.log_softmax(logits[: self.vocab_size].float(), dim=-1), token, top_n)
+
     @staticmethod
     def _logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> Logprob:
         top: dict[int, float] = {}

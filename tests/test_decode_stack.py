@@ -116,7 +116,7 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
     def step(positions=position, slots=None, tables=table, k_pools=pools, kernel="stream"):
         slots = torch.tensor([0]) if slots is None else slots
         model.decode_stack.stack.forward(hidden, positions, cos, sin, k_pools, k_pools, slots, tables, lens, 16,
-                                         kernel)
+                                         kernel, False)
 
     with pytest.raises(RuntimeError, match="slot 64 is outside the KV pool of 64"):
         step(slots=torch.tensor([64]))

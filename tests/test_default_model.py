@@ -32,3 +32,24 @@ def test_greedy_tokens_match_hf_alone_and_batched(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_speculative_decoding_keeps_the_greedy_tokens(llm, tmp_path):
+    """ngram and a draft model (8 of the default model's 30 layers, made here, untrained) against HF: the
+    drafts change how many passes it takes, never a token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmaccel.distill.student import make_student
+
+    teacher = AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32)
+    make_student(teacher, [0, 1, 20, 23, 24, 27, 28, 29]).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(llm.engine.hf_dir).save_pretrained(tmp_path)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    expected = [hf_greedy(llm.engine.hf_dir, ids, 40) for ids in prompts]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for options in (dict(speculative_method="ngram"), dict(speculative_model=str(tmp_path))):
+        speculative = LLM("smollm2-135m", speculative_max_batch=1000, **options)
+        assert [o.outputs[0].token_ids for o in speculative.generate(prompts, params)] == expected
+        stats = speculative.engine.speculation_stats
+        assert stats.num_accepted_tokens > 0, options

@@ -26,7 +26,7 @@ def test_blocks_between_the_sinks_and_the_window_are_freed_as_the_window_passes(
     while sched.has_unfinished:
         out = sched.schedule()
         assert all(s.num_new_tokens <= 8 for s in out.scheduled)  # chunks never exceed the window
-        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        sched.update(out, {s.request.request_id: [7] for s in out.scheduled if s.samples})
         tables.append((request.num_computed_tokens, list(request.block_ids), request.num_skipped_blocks))
         assert len(request.block_ids) <= 1 + 2 + 1 or request.is_finished
     # 6 prompt tokens: blocks 0, 1. At 12 computed tokens the window (tokens 4..11) still needs block 1;

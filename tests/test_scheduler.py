@@ -25,7 +25,7 @@ def _request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
 def _step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
     plan = [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
     return plan, out
 

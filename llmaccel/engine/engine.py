@@ -28,6 +28,8 @@ from llmaccel.platform import describe
 from llmaccel.quantization.prequantized import load_prequantized
 from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.spec.build import build_speculation
+from llmaccel.spec.policy import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         self.scorer = SequenceScorer(self.runner, self.kv_cache)
+        speculation = build_speculation(config.speculative, model, self.tokenizer, num_blocks, block_size, self.dtype,
+                                        self.device, self.max_model_len, window is not None, use_kernel)
+        self.drafter, self.speculation = speculation if speculation is not None else (None, None)
+        if self.speculation is not None:
+            self.scheduler.draft_slots = self.speculation.draft_slots
         self._reference: SequenceScorer | None = None
         self._quantized_checkpoint = saved is not None
         machine = describe()
@@ -256,8 +263,14 @@ class LLMEngine:
             groups[group.request_id] = group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+        drafting = [item for item in scheduled.scheduled if item.num_draft_slots]
+        for request in scheduled.preempted:
+            if self.drafter is not None:
+                self.drafter.forget(request.request_id)
+        began = time.perf_counter()
         try:
-            results = self.runner.execute(scheduled, self.record_confidence)
+            drafts = self.drafter.propose(drafting) if drafting else {}
+            results = self.runner.execute(scheduled, self.record_confidence, drafts)
         except Exception as exc:
             self.last_step_failed = True
             self.num_failed_steps += 1
@@ -268,17 +281,34 @@ class LLMEngine:
                 self._fail_group(group, exc)
             return [self._finish_group(group, time.time()) for group in groups.values()]
         failed = dict(results.failed)
-        advanced = self.scheduler.update(scheduled, {rid: tok for rid, (tok, _, _) in results.sampled.items()},
-                                         failed)
+        before = {item.request.request_id: item.request.num_output_tokens for item in scheduled.scheduled}
+        advanced = self.scheduler.update(scheduled, {rid: [tok for tok, _, _ in taken]
+                                                     for rid, taken in results.sampled.items()}, failed)
         now = time.time()
         changed: dict[str, RequestGroup] = {}
+        num_new_tokens = 0
         for request in advanced:
             group = self._sample_to_group[request.request_id]
+            rid = request.request_id
+            taken = results.sampled[rid][:request.num_output_tokens - before[rid]]
+            num_new_tokens += len(taken)
+            if rid in drafts:
+                accepted = len(results.sampled[rid]) - 1
+                self.speculation.stats.record(len(drafts[rid]), accepted)
+                group.metrics.spec_draft_tokens += len(drafts[rid])
+                group.metrics.spec_accepted_tokens += accepted
             try:
-                self._take_token(group, request, results.sampled[request.request_id], now)
+                for i, sampled in enumerate(taken):
+                    if self._take_token(group, request, sampled, before[rid] + i, now):
+                        request.truncate_output(before[rid] + i + 1)  # a stop string ended it: drop the rest
+                        break
             except Exception as exc:
                 failed[request.request_id] = exc
             changed[group.request_id] = group
+        if (self.speculation is not None and all(item.num_new_tokens == 1 for item in scheduled.scheduled)
+                and (not drafting or self.drafter.steady)):
+            self.speculation.record_step(len(scheduled.scheduled), bool(drafting), num_new_tokens,
+                                         time.perf_counter() - began)
         for request_id, exc in failed.items():
             group = self._sample_to_group[request_id]
             if group.error is not None:  # a sibling's failure ended its group already
@@ -295,8 +325,9 @@ class LLMEngine:
                 outputs.append(group.output(self.record_confidence))
         return outputs
 
-    def _take_token(self, group: RequestGroup, request: Request, sampled: Sampled, now: float) -> None:
-        """Record a sample's new token: logprobs, confidence, timing, text and stop strings."""
+    def _take_token(self, group: RequestGroup, request: Request, sampled: Sampled, index: int, now: float) -> bool:
+        """Record a sample's new token, its output token number `index`: logprobs, confidence, timing, text
+        and stop strings. True when the token completed a stop string (the request is finished then)."""
         sample = group.sample_of(request)
         _, logprob, top = sampled
         if sample.logprobs is not None and logprob is not None:
@@ -305,10 +336,12 @@ class LLMEngine:
             request.confidence_sum += top
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
-        if sample.detokenize():
+        if sample.detokenize(index):
             if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
                 request.status = RequestStatus.FINISHED_STOPPED
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
 
     def _fail_group(self, group: RequestGroup, exc: BaseException) -> None:
         """End every sample of a user request with finish reason "error" and free its blocks."""
@@ -327,6 +360,8 @@ class LLMEngine:
     def _forget(self, sample: Sample) -> None:
         self._sample_to_group.pop(sample.request.request_id, None)
         self.runner.release(sample.request.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(sample.request.request_id)
 
     # ---- introspection ------------------------------------------------------------------------------
     @property
@@ -362,6 +397,11 @@ class LLMEngine:
     @property
     def num_waiting_seqs(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Drafts proposed and kept since the engine started; None without speculative decoding."""
+        return self.speculation.stats if self.speculation is not None else None
 
     @property
     def num_preemptions(self) -> int:

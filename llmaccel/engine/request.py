@@ -73,6 +73,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` output tokens (a stop string ended it inside a step's
+        kept drafts)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+
     def check_stop_token(self) -> bool:
         """Finish on EOS / stop_token_ids / max_tokens after a token was appended. Stop strings
         are the detokenizer's job, since they need text."""

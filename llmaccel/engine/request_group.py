@@ -21,11 +21,13 @@ class Sample:
     detokenizer: IncrementalDetokenizer
     logprobs: list[Logprob] | None
 
-    def detokenize(self) -> bool:
-        """Feed the request's new token to the detokenizer; True if a stop string ended it."""
+    def detokenize(self, index: int = -1) -> bool:
+        """Feed the request's output token at `index` (its newest by default: a step may add several) to
+        the detokenizer; True if a stop string ended it."""
         request = self.request
-        token = request.output_token_ids[-1]
-        if request.is_finished and request.stop_reason == token:
+        token = request.output_token_ids[index]
+        last = index in (-1, request.num_output_tokens - 1)
+        if last and request.is_finished and request.stop_reason == token:
             return False  # EOS / stop token: not part of the text
         if self.detokenizer.add_token(token):
             request.stop_reason = self.detokenizer.stop_string

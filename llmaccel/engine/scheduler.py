@@ -9,12 +9,16 @@ block a request admitted in the same step is about to compute waits a step, then
 (SGLang's in-batch prefix caching): 64 chat requests that arrive together share their system
 prompt's blocks instead of computing them 64 times. When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
-goes back to the head of the queue, to be recomputed later. Chunked prefill falls out of this rule.
+goes back to the head of the queue, to be recomputed later. Chunked prefill falls out of this rule,
+and so does speculative decoding: a decoding request asks for 1 + K slots, its last token and K
+drafts the target verifies in the same pass (spec/); the slots of drafts it rejects are rolled back
+by leaving `num_computed_tokens` before them, to be written over by the next step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmaccel.config import SchedulerConfig
@@ -26,6 +30,7 @@ from llmaccel.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    num_draft_slots: int = 0  # decoding with speculation: slots for this many drafts after the new token
 
     @property
     def samples(self) -> bool:
@@ -40,7 +45,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_draft_slots for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -55,6 +60,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # speculative decoding: how many drafts a decoding request may have verified this step, given how
+        # many requests are running (spec/policy.py); None: no speculation
+        self.draft_slots: Callable[[Request, int], int] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -69,8 +77,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv_cache.allocate_slots(request, num_new) is None:
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(remaining, budget)
+            drafts = 0
+            if remaining == 1 and self.draft_slots is not None:
+                drafts = max(0, min(self.draft_slots(request, len(self.running)), budget - 1))
+            while self.kv_cache.allocate_slots(request, num_new + drafts) is None:
+                if drafts:  # short of blocks: drop the drafts before preempting anyone
+                    drafts = 0
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -78,8 +93,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone as well
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
+            budget -= num_new + drafts
             index += 1
 
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
@@ -115,9 +130,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                failed: dict[str, BaseException] | None = None) -> list[Request]:
-        """Advance each scheduled request by its chunk and append its sampled token, if any.
+        """Advance each scheduled request by its chunk and append its new tokens, if any: one, or with
+        speculation the drafts the target kept and one more (its KV is then computed up to the last of
+        them; the rejected drafts' slots are left to be written over). Appending stops at a stop token.
 
         Returns the requests that received a token this step (finished ones included, already
         removed from the running list and with their blocks freed). A request whose update raises
@@ -128,14 +145,18 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             try:
-                request.num_computed_tokens += item.num_new_tokens
+                tokens = sampled.get(request.request_id)
+                computed = request.num_computed_tokens + max(item.num_new_tokens, len(tokens or ()))
+                for token in tokens or ():
+                    request.append_output_token(token)
+                    if request.check_stop_token():
+                        break
+                request.num_computed_tokens = min(computed, request.num_tokens - 1) if tokens else computed
                 self.kv_cache.cache_computed_blocks(request)
                 self.kv_cache.release_outside_window(request)
-                token = sampled.get(request.request_id)
-                if token is None:
+                if not tokens:
                     continue
-                request.append_output_token(token)
-                if request.check_stop_token():
+                if request.is_finished:
                     self._remove(request)
             except Exception as exc:
                 if failed is None:

@@ -65,7 +65,7 @@ class DecodeStack:
         kernel = "stream" if self.bf16_choice is None else self.bf16_choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, kernel)
+                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first)
 
 
 def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:

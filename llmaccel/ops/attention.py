@@ -40,6 +40,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
     decode_max_len: int = 0  # the longest decode context, known on the host (no device sync to find it)
+    # decode rows include successive positions of one sequence (speculative verification): every row's
+    # K/V must be in the pool before any row attends (the layer-by-layer paths always write first)
+    decode_kv_first: bool = False
     # the torch decode path's gather (slots, mask) per window, built at the first layer, reused by the rest
     decode_gathers: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 

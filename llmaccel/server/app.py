@@ -104,6 +104,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         state.metrics.bind_engine(lambda: engine.num_running_seqs, lambda: async_engine.num_waiting,
                                   lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats,
                                   lambda: engine.memory_bytes)
+        state.metrics.bind_speculation(lambda: engine.speculation_stats)
         result_cache = _result_cache(config)
         if result_cache is not None:
             state.metrics.bind_result_cache(result_cache)

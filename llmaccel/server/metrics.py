@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from llmaccel.engine.engine import StepStats
 from llmaccel.engine.kv_cache_manager import PrefixCacheStats
 from llmaccel.outputs import RequestOutput
+from llmaccel.spec.policy import SpeculationStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0)
@@ -119,6 +120,10 @@ class ServerMetrics:
         self.registry.register(_PrefixCacheCollector(prefix_cache))
         if memory is not None:
             self.registry.register(_MemoryCollector(memory))
+
+    def bind_speculation(self, stats: Callable[[], SpeculationStats | None]) -> None:
+        """Export speculative decoding's counters (drafts proposed and kept), read at scrape time."""
+        self.registry.register(_SpeculationCollector(stats))
 
     def bind_result_cache(self, cache) -> None:
         """Export the result cache's counters and size, read at scrape time."""
@@ -232,6 +237,32 @@ class _PrefixCacheCollector:
                                   value=stats.queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "KV reused, not computed).", value=stats.hits)
+
+
+class _SpeculationCollector:
+    """Speculative decoding's cumulative counts (vLLM's spec_decode_* names), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], SpeculationStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        if stats is None:
+            return
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Verifications of drafted tokens (one per "
+                                  "request and step).", value=stats.num_drafts)
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                  value=stats.num_draft_tokens)
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept.",
+                                  value=stats.num_accepted_tokens)
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens kept, by position in the draft (0: the first).",
+                                           labels=["position"])
+        for position, count in enumerate(stats.accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position
+        yield GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length", "Tokens a verification yields on "
+                                "average (kept drafts and the model's own token).", value=stats.mean_accepted_length)
 
 
 class _MemoryCollector:

@@ -222,11 +222,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """With speculative decoding: drafted tokens the model kept and rejected (OpenAI's predicted-output
+    fields, which mean the same)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

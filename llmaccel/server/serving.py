@@ -342,9 +342,14 @@ def _record(job: Job, i: int, report: GuardReport | None) -> GuardReport | None:
 def _usage(job: Job, served: list[CompletionOutput], outputs) -> p.Usage:
     completion = sum(len(c.token_ids) for c in served)
     prompt = sum(job.prompt_lengths)
+    outputs = list(outputs)
     cached = p.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
+    drafted = sum(out.metrics.spec_draft_tokens for out in outputs)
+    accepted = sum(out.metrics.spec_accepted_tokens for out in outputs)
+    details = p.CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                        rejected_prediction_tokens=drafted - accepted) if drafted else None
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=cached)
+                   prompt_tokens_details=cached, completion_tokens_details=details)
 
 
 def _sse(data: dict | BaseModel, **overrides: object) -> str:

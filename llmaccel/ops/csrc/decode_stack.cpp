@@ -42,7 +42,8 @@ struct StackLinear {
     if (kind == kF32Panels)
       f32_panels(x, m, k, weight.data_ptr<float>(), n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else if (kind == kBf16)
-      bf16_columns(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
+      bf16_columns(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1,
+                   true);  // the stack's bfloat16 weights serve bfloat16 activations
     else if (kind == kInt8)
       i8_groups(a, weight.data_ptr<uint8_t>(), scale.defined() ? scale.data_ptr<float>() : nullptr, y, ldy, m, k, n,
                 c0 / kPanel, (c1 + kPanel - 1) / kPanel);
@@ -173,18 +174,20 @@ class DecodeStack {
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
   // fused_decode_attention, with one K and one V pool per layer. `bf16_kernel`: stream, gemm or
-  // onednn (see Bf16Kernel; float32 and integer weights ignore it). Returns the final norm's output [S, H].
+  // onednn (see Bf16Kernel; float32 and integer weights ignore it). `kv_first`: every row's K/V is written
+  // before any row attends, so rows of one sequence at successive positions (speculative decoding's
+  // verification) see each other. Returns the final norm's output [S, H].
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                        const std::string& bf16_kernel) const {
+                        const std::string& bf16_kernel, bool kv_first) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
     const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
-                        Bf16Kernel::kStream);
+                        Bf16Kernel::kStream, kv_first);
     return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
-                             block_size, kernel);
+                             block_size, kernel, kv_first);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -198,7 +201,7 @@ class DecodeStack {
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
                     const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                    Bf16Kernel kernel) const {
+                    Bf16Kernel kernel, bool kv_first) const {
     const int64_t seqs = hidden.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
     const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
@@ -256,26 +259,37 @@ class DecodeStack {
       const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
       columns(input, w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
     };
-    auto attention = [&](int tid, int threads, size_t l, AttentionScratch& scratch) {
+    // RoPE on an item's query and key heads, and its key and value into the pool
+    auto rotate_and_write = [&](int64_t item, size_t l) {
+      const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
+      T* row = qkv_p + s * qkv_n;
+      T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
+      const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
+      rope_heads(q, group, head_dim_, c, sn);
+      rope_heads(k, 1, head_dim_, c, sn);
+      std::memcpy(k_caches[l].data_ptr<T>() + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
+      std::memcpy(v_caches[l].data_ptr<T>() + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
+    };
+    // `written`: every item's K/V is already in the pool (kv_first: rows of one sequence read each other's)
+    auto attention = [&](int tid, int threads, size_t l, AttentionScratch& scratch, bool written) {
       const auto items = share(seqs * kv_heads_, tid, threads);
       T *k_pool = k_caches[l].data_ptr<T>(), *v_pool = v_caches[l].data_ptr<T>();
       for (int64_t item = items.first; item < items.second; ++item) {
         const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
-        T* row = qkv_p + s * qkv_n;
-        T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
-        const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
-        rope_heads(q, group, head_dim_, c, sn);
-        rope_heads(k, 1, head_dim_, c, sn);
-        std::memcpy(k_pool + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
-        std::memcpy(v_pool + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
+        if (!written) rotate_and_write(item, l);
         if (item + 1 < items.second) {
           const int64_t next = (item + 1) / kv_heads_;
           prefetch_item(k_pool, v_pool, tables + next * max_blocks, lens[next], layers_[l].window,
                         (item + 1) % kv_heads_, kv_heads_, head_dim_, block_size);
         }
-        attend_item(q, k_pool, v_pool, tables + s * max_blocks, lens[s], layers_[l].window, kvh, group, kv_heads_,
-                    head_dim_, block_size, scale, attn_p + s * q_size + kvh * group * head_dim_, scratch);
+        attend_item(qkv_p + s * qkv_n + kvh * group * head_dim_, k_pool, v_pool, tables + s * max_blocks, lens[s],
+                    layers_[l].window, kvh, group, kv_heads_, head_dim_, block_size, scale,
+                    attn_p + s * q_size + kvh * group * head_dim_, scratch);
       }
+    };
+    auto write_all = [&](int tid, int threads, size_t l) {
+      const auto items = share(seqs * kv_heads_, tid, threads);
+      for (int64_t item = items.first; item < items.second; ++item) rotate_and_write(item, l);
     };
 
     if (kernel != Bf16Kernel::kOneDnn) {
@@ -290,7 +304,11 @@ class DecodeStack {
 #pragma omp barrier
           project(tid, threads, input, *layer.qkv, xn, qkv_p);
 #pragma omp barrier
-          attention(tid, threads, l, scratch);
+          if (kv_first) {
+            write_all(tid, threads, l);
+#pragma omp barrier
+          }
+          attention(tid, threads, l, scratch, kv_first);
 #pragma omp barrier
           project(tid, threads, input, *layer.o, attn_p, add);
 #pragma omp barrier
@@ -323,9 +341,10 @@ class DecodeStack {
       in_parallel([&](int tid, int threads) { norm_rows(tid, threads, layer.input_norm, l == 0); });
       qkv_out = serial_linear<T>(*layer.qkv, normed, qkv, project, in_parallel);
       qkv_p = qkv_out.data_ptr<T>();
+      if (kv_first) in_parallel([&](int tid, int threads) { write_all(tid, threads, l); });
       in_parallel([&](int tid, int threads) {
         AttentionScratch scratch;
-        attention(tid, threads, l, scratch);
+        attention(tid, threads, l, scratch, kv_first);
       });
       o_out = serial_linear<T>(*layer.o, attn, pending, project, in_parallel);
       add = o_out.data_ptr<T>();

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose tokens, the target model verifies them in one pass."""

@@ -1,0 +1,58 @@
+"""Build the drafter and policy a config asks for, refusing settings that cannot work, at start."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmaccel.config import SpeculativeConfig
+from llmaccel.model.layers import weight_bytes
+from llmaccel.model.llama import LlamaForCausalLM
+from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.spec import ModelSpec
+from llmaccel.runner import ModelRunner
+from llmaccel.spec.drafters import Drafter, ModelDrafter, NgramDrafter
+from llmaccel.spec.policy import SpeculationPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+                      block_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                      windowed: bool, use_kernel: bool | None = None) -> tuple[Drafter, SpeculationPolicy] | None:
+    """The drafter and the policy, or None when speculation is off. Raises ValueError naming the problem:
+    a draft model whose tokenizer or vocabulary differs from the target's, or a windowed KV cache."""
+    method = config.method
+    if method is None:
+        return None
+    if windowed:
+        raise ValueError("speculative decoding does not run with a KV window or a sliding-window model yet; "
+                         "drop --kv-window or the speculative options")
+    policy = SpeculationPolicy(config.num_speculative_tokens, max_model_len, config.speculative_max_batch)
+    if method == "ngram":
+        logger.info("speculative decoding: ngram prompt lookup (n %d..%d), up to %d drafts a step",
+                    config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max), policy
+    checkpoint = load_checkpoint(config.speculative_model)
+    check_same_tokenizer(config.speculative_model, checkpoint.spec, checkpoint.tokenizer, target.spec, tokenizer)
+    draft = LlamaForCausalLM(checkpoint.spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
+                             use_kernel=use_kernel)
+    del checkpoint
+    draft_bytes, target_bytes = weight_bytes(draft), weight_bytes(target)
+    if draft_bytes >= target_bytes:
+        logger.warning("the draft model's weights (%.0f MB) are not smaller than the model's (%.0f MB): "
+                       "drafting will cost more than it saves", draft_bytes / 1e6, target_bytes / 1e6)
+    logger.info("speculative decoding: draft model %s (%d layers, %.0f MB), up to %d drafts a step",
+                config.speculative_model, draft.spec.num_layers, draft_bytes / 1e6, config.num_speculative_tokens)
+    return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device)), policy
+
+
+def check_same_tokenizer(name: str, spec: ModelSpec, tokenizer, target_spec: ModelSpec, target_tokenizer) -> None:
+    """A draft proposes token ids: they must mean the same text to the target."""
+    if spec.vocab_size != target_spec.vocab_size:
+        raise ValueError(f"the draft model {name} has a vocabulary of {spec.vocab_size} tokens, the model "
+                         f"{target_spec.vocab_size}: a draft model must share the model's tokenizer")
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"the draft model {name}'s tokenizer maps tokens to other ids than the model's: a draft "
+                         "model must share the model's tokenizer")

@@ -1,0 +1,114 @@
+"""When to speculate: a rule measured while serving, not a constant.
+
+A verification costs the target K + 1 rows a request and the drafter its passes. With few requests
+decoding, the target's step is bound by reading its weights, so extra rows come almost free; with
+many, the step is bound by compute and drafts that are rejected are pure cost. Neither the crossover
+nor the acceptance rate is known in advance (they depend on the machine, the draft and the text),
+so the policy measures both: per bucket of decoding batch size (1, 2-3, 4-7, ...), the tokens per
+second of decode-only steps with and without drafts (exponential moving averages), and speculates
+where the measured rate with drafts is higher. Each side is tried first, and the side not chosen is
+tried again after `explore_every` steps of that bucket, an interval that doubles each time the trial
+confirms the choice, so the choice follows changes in the text or the machine while trials of a
+losing side stay rare. `max_batch`, when given, replaces the measurement by a fixed limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmaccel.engine.request import Request
+
+
+@dataclass
+class SpeculationStats:
+    """Drafted and kept tokens since the engine started (each verification of one request is a draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # drafts kept at position 1, 2, ..., K
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification yields on average: the kept drafts and the target's own one."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+class SpeculationPolicy:
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, max_batch: int | None = None,
+                 explore_every: int = 16, max_explore_every: int = 1024, smoothing: float = 0.2) -> None:
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self.smoothing = smoothing
+        self.rates: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s of decode-only steps
+        self.steps: dict[int, int] = {}  # bucket -> decode-only steps recorded since its last exploration
+        self.intervals: dict[int, int] = {}  # bucket -> steps between explorations of the side not chosen
+        self.choices: dict[int, bool] = {}  # bucket -> the side chosen at its last exploration
+        self.stats = SpeculationStats()
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return max(num_decoding, 1).bit_length()
+
+    def speculates(self, num_running: int) -> bool:
+        """Whether a step with `num_running` requests running gives them drafts. Plain steps are measured
+        first (they cost nothing extra), then steps with drafts; then the faster side is chosen, and the
+        other is tried again after `explore_every` steps, an interval that doubles (up to
+        `max_explore_every`) each time the trial confirms the choice: a trial of a losing side costs its
+        step and, for a draft model, catching its KV up."""
+        if self.max_batch is not None:
+            return num_running <= self.max_batch
+        bucket = self.bucket(num_running)
+        with_drafts, without = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if without is None:
+            return False
+        if with_drafts is None:
+            return True
+        better = with_drafts >= without
+        interval = self.intervals.get(bucket, self.explore_every)
+        return not better if self.steps.get(bucket, 0) >= interval else better
+
+    def draft_slots(self, request: Request, num_running: int) -> int:
+        """Drafts for a decoding request this step: K, fewer near its token limit or the context's end."""
+        if not self.speculates(num_running):
+            return 0
+        room = self.max_model_len - request.num_tokens  # positions left for drafts
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return max(0, min(self.k, room))
+
+    def record_step(self, num_decoding: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome: `num_tokens` generated by `num_decoding` requests in `seconds`."""
+        if seconds <= 0 or num_decoding < 1:
+            return
+        bucket = self.bucket(num_decoding)
+        rate = num_tokens / seconds
+        key = (bucket, speculated)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        with_drafts, without = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if with_drafts is None or without is None:
+            return
+        better = with_drafts >= without
+        if bucket not in self.choices:  # both sides measured: the first choice
+            self.steps[bucket] = 0
+        elif speculated != better:  # this step tried the side not chosen
+            confirmed = self.choices[bucket] == better
+            interval = self.intervals.get(bucket, self.explore_every)
+            self.intervals[bucket] = min(2 * interval, self.max_explore_every) if confirmed else self.explore_every
+            self.steps[bucket] = 0
+        else:
+            self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        self.choices[bucket] = better

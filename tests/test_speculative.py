@@ -325,3 +325,32 @@ def test_bench_spec_compares_against_plain_decoding_and_checks_the_outputs(case,
     assert all(rows[(w, v)]["identical"] for w in ("lone", "batch") for v in (f"draft {target.name}", "ngram"))
     assert rows[("lone", "plain")]["ratio"] == 1.0
     assert "mean accepted length" in capsys.readouterr().out
+
+
+# ---- served: the official openai client, /metrics ---------------------------------------------------
+def test_served_with_the_openai_client_usage_and_metrics_count_the_drafts(case):
+    import openai
+
+    from tests.live_server import MODEL_NAME, live_server, metric
+
+    target, _, prompts, expected = case
+    with live_server(target, engine_options=dict(speculative_model=str(target), **ALWAYS)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model=MODEL_NAME, prompt=prompts[2], max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        streamed = client.completions.create(model=MODEL_NAME, prompt=prompts[2], max_tokens=24, temperature=0,
+                                             extra_body={"ignore_eos": True}, stream=True,
+                                             stream_options={"include_usage": True})
+        chunks = list(streamed)
+        server.wait_idle()
+        details = reply.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+        assert chunks[-1].usage.completion_tokens_details == details  # the same drafts, the same verdicts
+        drafts = metric(server, "llmaccel_spec_decode_num_draft_tokens_total")
+        kept = metric(server, "llmaccel_spec_decode_num_accepted_tokens_total")
+        assert kept == 2 * details.accepted_prediction_tokens
+        assert drafts == 2 * (details.accepted_prediction_tokens + details.rejected_prediction_tokens)
+        assert metric(server, "llmaccel_spec_decode_mean_accepted_length") > 1
+    assert reply.usage.completion_tokens == 24

@@ -41,7 +41,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int,
                         help="context window (default: the model's, capped by the KV budget)")
     spec = parser.add_argument_group("speculative decoding (the output stays the model's own: greedy is "
-                                     "token-identical, sampling follows its distribution)")
+                                     "token-identical in float32 and for a lone request in bf16, sampling follows "
+                                     "its distribution)")
     spec.add_argument("--speculative-model", metavar="DIR",
                       help="a smaller draft model with the same tokenizer (e.g. a student from `llmaccel distill`); "
                            "it proposes tokens the model verifies in one pass")

@@ -111,8 +111,7 @@ class ModelRunner:
             request = span.request
             proposal = span.token_ids[1:] if span.as_rows else []
             try:
-                built = [self.sampling_row(request)] + [self.sampling_row(request, proposal[:j])
-                                                        for j in range(1, len(proposal) + 1)]
+                built = [self.sampling_row(request, proposal[:j]) for j in range(len(proposal) + 1)]
             except Exception as exc:
                 failed[request.request_id] = exc
                 continue

@@ -78,10 +78,10 @@ def test_a_sampler_fault_in_one_request_leaves_the_others_token_identical(llm, m
 def test_a_fault_in_one_sample_ends_its_whole_request(llm, monkeypatch):
     real_row = llm.engine.runner.sampling_row
 
-    def sampling_row(request):
+    def sampling_row(request, drafts=None):
         if request.request_id.endswith("#1"):
             raise OverflowError("injected row fault")
-        return real_row(request)
+        return real_row(request, drafts)
 
     monkeypatch.setattr(llm.engine.runner, "sampling_row", sampling_row)
     one, two = llm.generate(PROMPTS[:2], [PARAMS[0], SamplingParams(n=2, seed=5, max_tokens=8)])

@@ -35,15 +35,15 @@ struct StackLinear {
   bool quantized() const { return kind == kInt8 || kind == kInt4; }
 
   // Output columns [c0, c1) of x W^T in float32 for m rows (no bias); x's rows quantized in `a` when
-  // the weights are integers. c0 is a multiple of 16, c1 too unless it is n.
-  void columns(const float* x, const QuantizedRows& a, float* y, int64_t ldy, int64_t m, int64_t c0,
-               int64_t c1) const {
+  // the weights are integers, and as bfloat16 bits in `xb` when they are bfloat16 values (else null).
+  // c0 is a multiple of 16, c1 too unless it is n.
+  void columns(const float* x, const uint16_t* xb, const QuantizedRows& a, float* y, int64_t ldy, int64_t m,
+               int64_t c0, int64_t c1) const {
     if (c0 >= c1) return;
     if (kind == kF32Panels)
       f32_panels(x, m, k, weight.data_ptr<float>(), n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else if (kind == kBf16)
-      bf16_columns(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1,
-                   true);  // the stack's bfloat16 weights serve bfloat16 activations
+      bf16_columns(x, xb, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
     else if (kind == kInt8)
       i8_groups(a, weight.data_ptr<uint8_t>(), scale.defined() ? scale.data_ptr<float>() : nullptr, y, ldy, m, k, n,
                 c0 / kPanel, (c1 + kPanel - 1) / kPanel);
@@ -129,6 +129,7 @@ struct ProjectionInput {
   QuantizedRows quantized;
   std::vector<uint32_t> pairs;
   const float* rows = nullptr;
+  const uint16_t* bits = nullptr;  // the rows as they are, when they are bfloat16
 
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -137,6 +138,7 @@ struct ProjectionInput {
     if constexpr (std::is_same_v<T, float>) {
       rows = x;
     } else {
+      bits = reinterpret_cast<const uint16_t*>(x);
       converted.resize(m * w.k);
       for (int64_t i = 0; i < m * w.k; ++i) converted[i] = static_cast<float>(x[i]);
       rows = converted.data();
@@ -242,9 +244,9 @@ class DecodeStack {
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
       } else if constexpr (std::is_same_v<T, float>) {
-        w.columns(input.rows, input.quantized, y, ldy, seqs, c0, c1);
+        w.columns(input.rows, input.bits, input.quantized, y, ldy, seqs, c0, c1);
       } else {
-        w.columns(input.rows, input.quantized, sums_p, ldy, seqs, c0, c1);
+        w.columns(input.rows, input.bits, input.quantized, sums_p, ldy, seqs, c0, c1);
         for (int64_t i = 0; i < seqs; ++i)
           for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(sums_p[i * ldy + c]);
       }

@@ -74,10 +74,11 @@ int64_t check_int8_blocks(const at::Tensor& blocks, const c10::optional<at::Tens
 void check_int4_blocks(const at::Tensor& blocks);
 void check_groups_fit(const at::Tensor& blocks, int64_t n);
 // Float32 weights in panels [ceil(N / 16), K, 16]: the panels p0 .. p1 - 1, i.e. columns 16 p0 .. <= 16 p1.
-// bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1. `x_is_bf16`: x's values
-// are bfloat16 values (the products then run as bfloat16 pairs where the CPU has AVX512-BF16).
-void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
-                  int64_t n1, bool x_is_bf16);
+// bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1. `xb`: the same rows as
+// bfloat16 bits when they are bfloat16 values, else null (the products then run as bfloat16 pairs where
+// the CPU has AVX512-BF16; x is read otherwise).
+void bf16_columns(const float* x, const uint16_t* xb, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k,
+                  int64_t n0, int64_t n1);
 void f32_panels(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
                 int64_t p0, int64_t p1);
 

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "kernels.h"
 
@@ -44,7 +43,6 @@ inline __m256 load_bf16x8(const uint16_t* p) {
 // K % 32 tail in order: the same operations in the same order for any G, so a row's output does not
 // depend on the rows beside it. The G rows share each widened weight chunk, so a few rows (a small batch,
 // or speculative decoding's verification rows) cost one row's weight traffic and widening, not G.
-// With AVX-512 the accumulators are sixteen lanes wide over K 64 at a time.
 // One weight row at a time: interleaving four weight rows' streams read at half the bandwidth (2-core AMD
 // EPYC Zen 4: 15 against 34 GB/s, measured).
 template <int G>
@@ -135,20 +133,10 @@ void bf16_row(const float* x, const uint16_t* xb, const uint16_t* w, float* y, i
 
 }  // namespace
 
-LLMACCEL_ONE_COPY void bf16_columns(const float* x, const uint16_t* w, float* y, int64_t ldy, int64_t m, int64_t k,
-                                    int64_t n0, int64_t n1, bool x_is_bf16) {
-  const uint16_t* xb = nullptr;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  thread_local std::vector<uint16_t> bits;
-  if (x_is_bf16) {  // exact: a bfloat16 value is the top half of its float32
-    bits.resize(m * k);
-    for (int64_t i = 0; i < m * k; ++i) {
-      uint32_t v;
-      std::memcpy(&v, x + i, sizeof(v));
-      bits[i] = static_cast<uint16_t>(v >> 16);
-    }
-    xb = bits.data();
-  }
+LLMACCEL_ONE_COPY void bf16_columns(const float* x, const uint16_t* xb, const uint16_t* w, float* y, int64_t ldy,
+                                    int64_t m, int64_t k, int64_t n0, int64_t n1) {
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__))
+  xb = nullptr;  // no bfloat16 pairs to multiply on this CPU: the widening kernel reads x
 #endif
   for (int64_t r = n0; r < n1; ++r) bf16_row(x, xb, w, y, ldy, m, k, r);
 }
@@ -169,8 +157,10 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads + 3) / 4 * 4;
-  const bool x_is_bf16 = x.scalar_type() == torch::kBFloat16;
+  // bfloat16 activations also go in as they are, for the pair kernel
+  const auto xbf = x.scalar_type() == torch::kBFloat16 ? x.contiguous() : torch::Tensor();
+  const auto* xb = xbf.defined() ? reinterpret_cast<const uint16_t*>(xbf.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, n, grain,
-                   [&](int64_t n0, int64_t n1) { llmaccel::bf16_columns(xp, wp, yp, n, m, k, n0, n1, x_is_bf16); });
+                   [&](int64_t n0, int64_t n1) { llmaccel::bf16_columns(xp, xb, wp, yp, n, m, k, n0, n1); });
   return y;
 }

@@ -133,9 +133,12 @@ def sampling_fields(draw) -> dict:
     return fields
 
 
-@pytest.fixture(scope="module")
-def fuzz_llm(llama_dir):
-    return LLM(str(llama_dir), num_kv_blocks=64, max_model_len=48)
+@pytest.fixture(scope="module", params=["plain", "draft model", "ngram"])
+def fuzz_llm(request, llama_dir):
+    """The engine plain, and speculating in every step (a draft model, the model itself; prompt lookup)."""
+    speculation = {"plain": {}, "draft model": dict(speculative_model=str(llama_dir), speculative_max_batch=1000),
+                   "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_max_batch=1000)}
+    return LLM(str(llama_dir), num_kv_blocks=64, max_model_len=48, **speculation[request.param])
 
 
 def test_sampling_params_and_the_engine_take_extreme_values(fuzz_llm):

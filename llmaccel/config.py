@@ -6,6 +6,7 @@ from `LLM(**kwargs)`) into these objects.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -213,6 +214,9 @@ class ServerConfig:
     guard_kl: float = 0.35  # mean per-token KL(served || reference) above this is anomalous
     guard_retries: int = 2  # an anomalous answer is generated again this many times, hotter each time
     max_failed_steps: int = 3  # engine steps failing in a row before the server exits non-zero to be restarted
+    cascade_small: str | None = None  # a smaller model with the same tokenizer answers each request first
+    cascade_threshold: float | None = None  # ... and the model answers when its confidence is below this
+    cascade_decide_tokens: int = 32  # the confidence: mean log-probability of the small answer's first N tokens
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -239,6 +243,13 @@ class ServerConfig:
             raise ValueError("auth_failures_per_minute and max_failed_steps must be >= 1")
         if self.max_body_bytes < 1 or (self.max_prompt_chars is not None and self.max_prompt_chars < 1):
             raise ValueError("max_body_bytes and max_prompt_chars must be >= 1")
+        if self.cascade_small is not None and self.cascade_threshold is None:
+            raise ValueError("--cascade-small needs --cascade-threshold: the small model's mean token log-probability "
+                             "below which the model answers instead (`llmaccel bench cascade` plots the choices)")
+        if self.cascade_threshold is not None and math.isnan(self.cascade_threshold):
+            raise ValueError("the cascade threshold must be a number (a mean log-probability, e.g. -0.8)")
+        if self.cascade_decide_tokens < 1:
+            raise ValueError(f"the cascade must decide on at least 1 token, got {self.cascade_decide_tokens}")
         for name in ("rate_limit_requests", "rate_limit_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 per minute, got {getattr(self, name)}")

@@ -65,14 +65,18 @@ def _free_socket() -> socket.socket:
 
 @contextlib.contextmanager
 def live_server(model_dir, engine_factory: Callable[[], LLMEngine] | None = None, wait_ready: bool = True,
-                engine_options: dict | None = None, **server_options: object) -> Iterator[LiveServer]:
+                engine_options: dict | None = None, small_dir=None, **server_options: object) -> Iterator[LiveServer]:
+    """`small_dir`: a cascade's small model, loaded with the same engine options (set cascade_threshold)."""
     sock = _free_socket()
     port = sock.getsockname()[1]
     server_options.setdefault("result_cache", False)  # engine tests want every request to reach the engine
+    if small_dir is not None:
+        server_options["cascade_small"] = str(small_dir)
     config = ServerConfig(port=port, **server_options)  # type: ignore[arg-type]
     options = {"num_kv_blocks": 256, "max_num_seqs": 64, **(engine_options or {})}
     factory = engine_factory or (lambda: LLMEngine(EngineConfig.create(str(model_dir), **options)))
-    app = create_app(config, factory, model_name=MODEL_NAME)
+    small = None if small_dir is None else (lambda: LLMEngine(EngineConfig.create(str(small_dir), **options)))
+    app = create_app(config, factory, model_name=MODEL_NAME, small_engine_factory=small)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, proxy_headers=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -32,7 +32,7 @@ LONE_PROMPT = "Tell me a long story about a dragon and a knight."
 
 
 async def _one(session: aiohttp.ClientSession, url: str, text: str, max_tokens: int) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "temperature": 0}
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()

@@ -2,10 +2,11 @@
 
 A cascade answers each request with the small model first and hands it to the large one when the
 small one is unsure. This benchmark answers the built-in chat prompts with both models (greedy), and
-for every threshold on the small model's confidence (the mean log-probability of its answer's
-tokens) computes, over the prompts:
+for every threshold on the small model's confidence (the mean log-probability of its answer's first
+`--decide-tokens` tokens, the rule `llmaccel serve --cascade-small` applies) computes, over the prompts:
 - cost: compute per request against large-only, from each model's measured seconds per token of a lone
-  request (the small answer is always paid; the large one only when routed);
+  request (the small answer is paid in full when kept, up to the decision when routed; the large one
+  only when routed);
 - latency: the same sum in seconds (a routed request waits for both);
 - agreement: the share of served answers identical to the large model's own;
 - the large model's judgement: its mean log-likelihood per token of the served answers (its own
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small", required=True, help="the small model (e.g. a student from `llmaccel distill`)")
     parser.add_argument("--num-prompts", type=int, default=200, help="built-in chat prompts answered")
     parser.add_argument("--max-tokens", type=int, default=128, help="answer length limit (EOS honoured)")
+    parser.add_argument("--decide-tokens", type=int, default=32,
+                        help="the confidence is taken over the answer's first N tokens, as `serve "
+                             "--cascade-decide-tokens` does (0: the whole answer)")
     parser.add_argument("--timing-prompts", type=int, default=4, help="lone requests timed per model for the cost")
     parser.add_argument("--keep", type=float, default=0.9,
                         help="the recommended point keeps this share of the judgement gained from small to large")
@@ -41,13 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write the cost/agreement plot here (PNG)")
 
 
-def answers(llm: LLM, conversations: list, max_tokens: int) -> list[tuple[list[int], list[int], float]]:
-    """(prompt ids, answer ids, mean logprob of the answer's tokens) per conversation, greedy."""
+def answers(llm: LLM, conversations: list, max_tokens: int,
+            decide_tokens: int | None = None) -> list[tuple[list[int], list[int], float]]:
+    """(prompt ids, answer ids, mean logprob of the answer's first `decide_tokens` tokens (None: all))
+    per conversation, greedy."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
     out = []
     for o in llm.chat(conversations, params, use_tqdm=False):
         tokens = list(o.outputs[0].token_ids)
-        logprobs = [lp.logprob for lp in o.outputs[0].logprobs or []]
+        logprobs = [lp.logprob for lp in o.outputs[0].logprobs or []][:decide_tokens]
         out.append((list(o.prompt_token_ids), tokens, statistics.fmean(logprobs) if logprobs else 0.0))
     return out
 
@@ -71,15 +77,16 @@ def judged(large: LLM, prompt: list[int], answer: list[int]) -> float:
 
 
 def sweep(small: list, large: list, small_judged: list[float], large_judged: list[float], small_spt: float,
-          large_spt: float) -> list[dict]:
-    """One point per distinct threshold (route to large when confidence < threshold)."""
+          large_spt: float, decide_tokens: int | None = None) -> list[dict]:
+    """One point per distinct threshold (route to large when confidence < threshold). A routed request
+    paid the small model's first `decide_tokens` tokens (None: its whole answer)."""
     confidences = sorted({conf for _, _, conf in small})
     thresholds = [float("-inf")] + confidences + [float("inf")]
     large_only = sum(large_spt * len(a) for _, a, _ in large)
     points = []
     for threshold in thresholds:
         routed = [s[2] < threshold for s in small]
-        cost = sum(small_spt * len(s[1]) + (large_spt * len(lg[1]) if r else 0)
+        cost = sum(small_spt * len(s[1][:decide_tokens if r else None]) + (large_spt * len(lg[1]) if r else 0)
                    for s, lg, r in zip(small, large, routed, strict=True))
         points.append({
             "threshold": threshold, "routed_to_large": sum(routed) / len(routed), "cost": cost / large_only,
@@ -128,11 +135,12 @@ def run(args: argparse.Namespace) -> int:
     large, small = LLM(args.model, dtype=args.dtype), LLM(args.small, dtype=args.dtype)
     large_spt = seconds_per_token(large, conversations[:args.timing_prompts], args.max_tokens)
     small_spt = seconds_per_token(small, conversations[:args.timing_prompts], args.max_tokens)
-    large_answers, small_answers = answers(large, conversations, args.max_tokens), answers(small, conversations,
-                                                                                       args.max_tokens)
+    decide = args.decide_tokens or None
+    large_answers = answers(large, conversations, args.max_tokens)
+    small_answers = answers(small, conversations, args.max_tokens, decide)
     large_judged = [judged(large, p, a) for p, a, _ in large_answers]
     small_judged = [judged(large, p, a) for p, a, _ in small_answers]
-    points = sweep(small_answers, large_answers, small_judged, large_judged, small_spt, large_spt)
+    points = sweep(small_answers, large_answers, small_judged, large_judged, small_spt, large_spt, decide)
     chosen = recommend(points, args.keep)
     print(f"lone-request seconds per token: large {large_spt * 1000:.2f} ms, small {small_spt * 1000:.2f} ms")
     print(f"{'threshold':>10s} {'to large':>9s} {'cost':>6s} {'agree':>6s} {'judged':>7s}")
@@ -140,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     for p in shown:
         print(f"{p['threshold']:10.3f} {p['routed_to_large']:9.0%} {p['cost']:6.2f} {p['agreement']:6.0%} "
               f"{p['judged']:7.3f}")
-    print(f"recommended: route to large below {chosen['threshold']:.3f} (mean logprob): "
+    print(f"recommended: route to large below {chosen['threshold']:.3f} (mean logprob of the first "
+          f"{decide or 'all'} tokens): "
           f"{chosen['routed_to_large']:.0%} routed, cost {chosen['cost']:.2f}x large-only, "
           f"agreement {chosen['agreement']:.0%}, judged {chosen['judged']:.3f} "
           f"(small-only {points[0]['judged']:.3f}, large-only {points[-1]['judged']:.3f})")

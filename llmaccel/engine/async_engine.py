@@ -1,8 +1,11 @@
 """AsyncEngine: the engine loop in its own thread, an asyncio stream of outputs per request.
 
-The engine thread does all of the torch work, from building the model to every step: on this CPU
-a matmul issued from a second thread after another thread has used OpenMP runs ~10-15% slower
-(measured; two libgomp thread teams share two cores), so the engine is built where it runs.
+The engine thread does all of the torch work, from building the model to every step: once a second
+thread has run an OpenMP region, libgomp manages more threads than there are cores and every barrier
+stops spinning (its "throttled" wait), and the decode step, ~150 barriers a token, runs 35-80% slower
+(measured on the 2-core EPYC). So the engine is built where it runs, and a second engine in the same
+process (a cascade's small model) is a guest: `AsyncEngine(factory, host=first)` is built and stepped
+by the host's thread, one step of each in turn, with streams and commands of its own.
 The event loop never waits on the model. `add_request` validates and queues at once (raising
 InvalidRequestError, EngineOverloadedError or EngineDeadError before anything is queued) and returns
 a RequestStream. The engine thread takes queued adds and aborts between steps, so a new request
@@ -27,6 +30,7 @@ the loop stop for good: every stream in flight gets EngineDeadError, every block
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -79,7 +83,8 @@ class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_batch_delay_s: float = 0.0,
                  step_warn_s: float = 10.0, max_waiting_requests: int | None = None,
                  on_step: StepObserver | None = None, background: BackgroundTask | None = None,
-                 max_failed_steps: int = 3, on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 max_failed_steps: int = 3, on_dead: Callable[[BaseException], None] | None = None,
+                 host: AsyncEngine | None = None) -> None:
         if max_batch_delay_s < 0 or step_warn_s <= 0:
             raise ValueError("max_batch_delay_s must be >= 0 and step_warn_s > 0")
         if max_failed_steps < 1:
@@ -97,16 +102,19 @@ class AsyncEngine:
         self.max_failed_steps = max_failed_steps
         self.on_dead = on_dead  # called (in the engine thread) when the loop stops for good after errors
         self._failed_steps = 0  # in a row
+        self._host = host  # a guest runs in its host's thread (see the module docstring)
+        self._guests: list[AsyncEngine] = []
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[_Add | _Abort | _Call] = deque()
         self._pending_adds = 0  # sequences queued for the engine thread, not yet in its scheduler
-        self._cond = threading.Condition()
+        self._cond = host._cond if host is not None else threading.Condition()  # a guest's news wakes the host
         self._stopping = False
         self._error: BaseException | None = None
         self._step_started: float | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
+        self._thread = host._thread if host is not None else threading.Thread(target=self._run, name="llmaccel-engine",
+                                                                             daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="llmaccel-watchdog", daemon=True)
 
     # ---- event-loop side ----------------------------------------------------------------------------
@@ -114,6 +122,11 @@ class AsyncEngine:
         """Build the engine in the engine thread and start its loop. Returns when the engine is ready;
         raises whatever building it raised. Call from the event loop that will consume the streams."""
         self._loop = asyncio.get_running_loop()
+        if self._host is not None:
+            self.engine = await self._host.call(lambda _: self._engine_factory())
+            with self._cond:
+                self._host._guests.append(self)
+            return
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._thread.start()
         await self._ready
@@ -176,7 +189,11 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join, timeout)
+        if self._host is None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        elif self._host.is_alive and self.engine is not None:  # the host frees this guest's blocks
+            with contextlib.suppress(EngineDeadError):
+                await self._host.call(lambda _: self.engine.abort_all())
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _set_ready(self, error: BaseException | None) -> None:
@@ -238,6 +255,8 @@ class AsyncEngine:
                 self._die(loop_error or RuntimeError(f"the forward pass failed {self._failed_steps} steps in a row"))
                 return
         self._apply_commands()  # shutting down: take the last aborts and calls, then free every block
+        for guest in list(self._guests):
+            guest.engine.abort_all()
         aborted = engine.abort_all()
         if aborted:
             logger.warning("shutdown aborted %d unfinished request(s)", aborted)
@@ -246,18 +265,46 @@ class AsyncEngine:
         """One pass of the loop: wait for work, take commands, run one step. Returns "ok" or "failed" (the
         step's forward pass raised), "idle" when no step ran, "stop" when stopping."""
         with self._cond:
-            while not (self._commands or engine.has_unfinished_requests() or self._stopping
-                       or self._background_wait() == 0):
+            while not (self._has_work() or self._stopping or self._background_wait() == 0
+                       or any(guest._has_work() for guest in self._guests)):
                 self._cond.wait(self._background_wait())
             if self._stopping:
                 return "stop"
             idle = not engine.has_unfinished_requests()
+            guests = list(self._guests)
+        for guest in guests:
+            guest._take_turn()
         self._apply_commands()
         if idle and self.max_batch_delay_s > 0:
             self._gather_arrivals(time.monotonic() + self.max_batch_delay_s)
         self._run_background(idle=not engine.has_unfinished_requests())
         if not engine.has_unfinished_requests():
             return "idle"
+        return self._step(engine)
+
+    def _has_work(self) -> bool:
+        if self._host is not None and (self._error is not None or self._stopping or self.engine is None):
+            return False  # a stopped guest: nothing of it runs again
+        return bool(self._commands) or self.engine.has_unfinished_requests()
+
+    def _take_turn(self) -> None:
+        """A guest's turn in its host's loop: its commands, then one step if it has requests; after
+        `max_failed_steps` failures in a row it stops alone (its streams fail, `on_dead` is called)."""
+        if not self._has_work():
+            return
+        try:
+            self._apply_commands()
+            outcome = self._step(self.engine) if self.engine.has_unfinished_requests() else "idle"
+        except Exception:
+            outcome = "failed"
+            logger.exception("the guest engine's loop pass failed (%d in a row)", self._failed_steps + 1)
+        if outcome != "idle":
+            self._failed_steps = self._failed_steps + 1 if outcome == "failed" else 0
+        if self._failed_steps >= self.max_failed_steps:
+            self._die(RuntimeError(f"the guest engine failed {self._failed_steps} steps in a row"))
+
+    def _step(self, engine: LLMEngine) -> str:
+        """One engine step, its outputs delivered: "ok", or "failed" when its forward pass raised."""
         self._step_started = time.monotonic()
         try:
             outputs = engine.step()
@@ -286,6 +333,9 @@ class AsyncEngine:
             logger.exception("freeing the requests of the stopped engine failed")
         if self.on_dead is not None:
             self.on_dead(error)
+        for guest in list(self._guests):  # the host's thread ends: its guests stop with it
+            if guest._error is None:
+                guest._die(error)
 
     def _apply_commands(self) -> None:
         with self._cond:

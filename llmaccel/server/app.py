@@ -44,6 +44,7 @@ from llmaccel.server import openapi
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import AnswerChecks
 from llmaccel.server.auth import Gate, parse_networks
+from llmaccel.server.cascade import CascadeRouter, CascadeRule, check_cascade
 from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
@@ -58,6 +59,7 @@ class ServerState:
     metrics: ServerMetrics
     model_names: tuple[str, ...]
     engine: AsyncEngine | None = None
+    small_engine: AsyncEngine | None = None  # a cascade's small model (--cascade-small)
     serving: OpenAIServing | None = None
     draining: bool = False
     load_error: BaseException | None = None
@@ -66,13 +68,20 @@ class ServerState:
     gate: Gate | None = None
     engine_died: bool = False  # the engine stopped after failing steps: the process should exit non-zero
 
+    @property
+    def engines_alive(self) -> bool:
+        return self.engine is not None and self.engine.is_alive and (
+            self.small_engine is None or self.small_engine.is_alive)
+
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], model_name: str,
-               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[], None] | None = None,
+               small_engine_factory: Callable[[], LLMEngine] | None = None) -> FastAPI:
     """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails
     to load, or when the engine stops for good after steps kept failing (then `engine_died` is set, so
     the process exits non-zero and a supervisor restarts it). Bad safety rules or proxy addresses
-    raise ValueError here, before anything loads."""
+    raise ValueError here, before anything loads. `small_engine_factory`: a cascade's small model
+    (config.cascade_small); it must share the model's tokenizer and be smaller, or loading fails."""
     input_filter = InputFilter(load_rules(list(config.safety_rules))) if config.safety_rules else None
     output_filter = InputFilter(load_rules(list(config.output_rules))) if config.output_rules else None
     guard_config = GuardConfig(config.guard_sample_rate, config.guard_confidence, config.guard_kl, config.guard_retries)
@@ -91,11 +100,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                                    step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
                                    on_step=state.metrics.observe_step, background=_quality_watch(config, state),
                                    max_failed_steps=config.max_failed_steps, on_dead=engine_died)
+        small = None if small_engine_factory is None else AsyncEngine(
+            small_engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000, step_warn_s=config.step_warn_s,
+            max_waiting_requests=config.max_waiting_requests, max_failed_steps=config.max_failed_steps,
+            on_dead=engine_died, host=async_engine)  # one thread steps both (see AsyncEngine)
         try:
             await async_engine.start()
+            if small is not None:
+                await small.start()
+                check_cascade(small.engine, async_engine.engine, config.cascade_small)
         except Exception as exc:
             state.load_error = exc
-            logger.error("could not load the model: %s", exc)
+            logger.error("could not load the model%s: %s", "s" if small is not None else "", exc)
+            for started in (async_engine, small):
+                if started is not None and started.engine is not None:
+                    await started.shutdown()
             if on_fatal is not None:
                 on_fatal()
             return
@@ -120,8 +139,17 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                 guard = OutputGuard(guard_config, measure, state.metrics)
                 await async_engine.call(lambda e: e.reference_scorer())  # load a float reference now, not mid-request
             answers = AnswerChecks(guard, output_filter, state.metrics)
+        variant, cascade = engine.variant, None
+        if small is not None:
+            rule = CascadeRule(config.cascade_threshold, config.cascade_decide_tokens)
+            cascade = CascadeRouter(small, async_engine, rule, state.metrics)
+            variant += f"|cascade:{small.engine.variant}|{rule.threshold}|{rule.decide_tokens}"  # its answers differ
+            logger.info("cascade: %s answers first (%.0f MB of weights against %.0f MB); the model answers when the "
+                        "mean log-probability of its first %d tokens is below %g", config.cascade_small,
+                        small.engine.weight_bytes / 1e6, engine.weight_bytes / 1e6, rule.decide_tokens, rule.threshold)
         state.serving = OpenAIServing(async_engine, tokenizer, state.metrics, config.request_timeout, result_cache,
-                                      engine.variant, checks, answers)
+                                      variant, checks, answers, cascade)
+        state.small_engine = small
         state.engine = async_engine
         capacity = engine.num_blocks * engine.config.cache.block_size
         logger.info("serving %s (%s, %s, KV cache %d tokens in %d blocks, max_model_len %d) at http://%s:%d/v1",
@@ -137,6 +165,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             loader.cancel()
         if state.engine is not None:
             await state.engine.shutdown()
+        if state.small_engine is not None:
+            await state.small_engine.shutdown()
         if state.serving is not None and state.serving.result_cache is not None:
             state.serving.result_cache.close()
 
@@ -152,7 +182,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         if state.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down",
                            headers={"Retry-After": "5"}, rejected="unavailable")
-        if state.serving is None or not state.engine.is_alive:
+        if state.serving is None or not state.engines_alive:
             raise APIError(503, "the model is still loading" if state.serving is None else "the engine is not running",
                            "service_unavailable", code="not_ready", headers={"Retry-After": "5"},
                            rejected="unavailable")
@@ -198,7 +228,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     @app.get("/health", response_model=p.HealthStatus,
              responses={503: {"model": p.HealthStatus, "description": "Starting, failed to load, draining or dead."}})
     async def health() -> Response:
-        if state.engine is not None and state.engine.is_alive and not state.draining:
+        if state.engines_alive and not state.draining:
             return JSONResponse({"status": "ok"})
         status = ("draining" if state.draining else "failed" if state.load_error else
                   "starting" if state.engine is None else "dead")
@@ -257,6 +287,12 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         job.on_done = lambda completion_tokens: limiter.charge(client, completion_tokens)
     cache_header = {"x-llmaccel-cache": job.cache}
     if body.stream:
+        try:  # a cascade decides before the first byte, so its route can go in a header
+            route = await serving.routes(job)
+        except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
+            raise _failed(exc) from None
+        if route is not None:
+            cache_header["x-llmaccel-route"] = route
         return _SSEResponse(serving.stream(job), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **cache_header})
     task = asyncio.create_task(serving.complete(job))
@@ -270,15 +306,26 @@ async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Comp
         return Response(status_code=499)
     try:
         response = task.result()
-    except (RequestTimeoutError, EngineDeadError, RequestFailedError) as exc:
-        info = error_info(exc)
-        status = 504 if isinstance(exc, RequestTimeoutError) else 500 if isinstance(exc, RequestFailedError) else 503
-        raise APIError(status, info.message, info.type, code=info.code) from None
+    except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
+        raise _failed(exc) from None
     body, headers = response.model_dump(), dict(cache_header)
+    if (route := await serving.routes(job)) is not None:  # decided already: the answer is there
+        headers["x-llmaccel-route"] = route
     if job.guard_reports:  # the output guard's verdicts: a header for the worst, each choice's in the body
         headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
         body["guard"] = [r.as_dict() for r in job.guard_reports]
     return JSONResponse(body, headers=headers)
+
+
+def _failed(exc: Exception) -> APIError:
+    """The error response of a request that failed after it was accepted (a cascade's large model may find
+    its queue full only then)."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+                        rejected="queue_full")
+    info = error_info(exc)
+    status = 504 if isinstance(exc, RequestTimeoutError) else 500 if isinstance(exc, RequestFailedError) else 503
+    return APIError(status, info.message, info.type, code=info.code)
 
 
 def _limit_text(config: ServerConfig, limit: str) -> str:

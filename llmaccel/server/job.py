@@ -19,11 +19,12 @@ from llmaccel.outputs import RequestOutput
 from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
+from llmaccel.server.cascade import CascadeStream
 from llmaccel.server.metrics import NullTracker, RequestTracker
 from llmaccel.server.result_streams import FlightSubscriber, ReplayStream
 
 AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
-Stream = RequestStream | ReplayStream | FlightSubscriber
+Stream = RequestStream | ReplayStream | FlightSubscriber | CascadeStream
 
 
 @dataclass

@@ -101,6 +101,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an anomalous answer is generated again up to this many times at a higher temperature; "
                              "if every try is anomalous the closest one is served, flagged (x-llmaccel-guard)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    cascade = parser.add_argument_group(
+        "cascade (a small model answers first; the --model answers when the small one is unsure)")
+    cascade.add_argument("--cascade-small", metavar="DIR",
+                         help="the small model: same tokenizer as --model, fewer weight bytes (e.g. a student from "
+                              "`llmaccel distill`); it runs with --model's dtype, device and KV-cache settings, "
+                              "unquantized. The route of each answer is in the x-llmaccel-route header and in "
+                              "llmaccel_cascade_requests_total on /metrics")
+    cascade.add_argument("--cascade-threshold", type=float, metavar="T",
+                         help="(required with --cascade-small) the --model answers when the mean log-probability of "
+                              "the small answer's first --cascade-decide-tokens tokens is below T; `llmaccel bench "
+                              "cascade --decide-tokens N` plots cost against agreement and recommends a threshold")
+    cascade.add_argument("--cascade-decide-tokens", type=int, default=32, metavar="N",
+                         help="tokens of the small answer the route is decided on (all of it if shorter); a response, "
+                              "streamed or not, starts after the decision")
+
+
+def small_engine_options(engine_options: dict) -> dict:
+    """A cascade's small model runs where and as the model does, unquantized and without speculation."""
+    shared = ("device", "dtype", "kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefix_caching",
+              "max_num_seqs", "max_num_batched_tokens")
+    return {name: engine_options[name] for name in shared if name in engine_options}
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -131,7 +152,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         rate_limit_requests=args.rate_limit_requests, rate_limit_tokens=args.rate_limit_tokens,
                         output_rules=tuple(args.output_rules or ()), guard_sample_rate=args.guard_sample_rate,
                         guard_confidence=args.guard_confidence, guard_kl=args.guard_kl,
-                        guard_retries=args.guard_retries)
+                        guard_retries=args.guard_retries, cascade_small=args.cascade_small,
+                        cascade_threshold=args.cascade_threshold, cascade_decide_tokens=args.cascade_decide_tokens)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -158,13 +180,19 @@ def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str
 
     engine_config = EngineConfig.create(model, **engine_options)  # bad flags fail here, before listening
     resolve_model_path(model)
+    small_factory = None
+    if config.cascade_small is not None:
+        small_config = EngineConfig.create(config.cascade_small, **small_engine_options(engine_options))
+        resolve_model_path(config.cascade_small)
+        small_factory = lambda: LLMEngine(small_config)  # noqa: E731
     server: _DrainingServer | None = None
 
     def stop() -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, lambda: LLMEngine(engine_config), model_name=model, on_fatal=stop)
+    app = create_app(config, lambda: LLMEngine(engine_config), model_name=model, on_fatal=stop,
+                     small_engine_factory=small_factory)
     state = app.state.server
 
     def drain() -> None:

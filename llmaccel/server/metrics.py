@@ -108,6 +108,12 @@ class ServerMetrics:
         self.quality_checks = Counter(PREFIX + "quality_checks", "Quality checks completed.", registry=r)
         self.quality_last_check = Gauge(PREFIX + "quality_last_check_timestamp_seconds",
                                         "Unix time of the last quality check.", registry=r)
+        self.cascade_routes = Counter(PREFIX + "cascade_requests", "Engine requests of a cascade, by the model that "
+                                      "answered (small, large).", ["route"], registry=r)
+        self.cascade_confidence = Histogram(PREFIX + "cascade_confidence", "The small model's mean token "
+                                            "log-probability on which each cascade route was decided.",
+                                            buckets=(-4.0, -3.0, -2.0, -1.5, -1.0, -0.8, -0.6, -0.4, -0.2, -0.1, 0.0),
+                                            registry=r)
         self._preemptions_seen = 0
 
     def bind_engine(self, running: Callable[[], float], waiting: Callable[[], float],

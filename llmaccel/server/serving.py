@@ -35,6 +35,7 @@ from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
+from llmaccel.server.cascade import CascadeRouter, CascadeStream, cascade_route
 from llmaccel.server.errors import clip
 from llmaccel.server.job import AnyRequest, Job, Stream, merged, outcome
 from llmaccel.server.metrics import NullTracker, ServerMetrics
@@ -49,8 +50,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
                  request_timeout: float | None, result_cache: ResultCache | None = None,
                  variant: str = "", prompt_checks: PromptChecks | None = None,
-                 answer_checks: AnswerChecks | None = None) -> None:
-        self.engine = engine
+                 answer_checks: AnswerChecks | None = None, cascade: CascadeRouter | None = None) -> None:
+        self.engine = engine  # the model; with a cascade, the large one
+        self.cascade = cascade  # a small model first, the large one when it is unsure
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
         self.metrics = metrics
         self.request_timeout = request_timeout
@@ -140,10 +142,30 @@ class OpenAIServing:
             self.metrics.result_cache_shared.inc()
         return flight.subscribe(request_id, self.request_timeout), "miss"
 
-    def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        stream = self.engine.add_request(ids, params, request_id, self.request_timeout)
+    def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream | CascadeStream:
+        if self.cascade is not None:
+            stream = self.cascade.open(ids, params, request_id, self.request_timeout)
+        else:
+            stream = self.engine.add_request(ids, params, request_id, self.request_timeout)
         self.metrics.engine_requests.inc()
         return stream
+
+    async def routes(self, job: Job) -> str | None:
+        """With a cascade: which model answers each prompt ("small" or "large"; "cache" for a stored
+        result), comma-separated in prompt order, once every route is decided. None without a cascade.
+        If a decision fails (a timeout, the large engine's queue full), the job ends here and this raises."""
+        if self.cascade is None:
+            return None
+        try:
+            return ",".join([await cascade_route(stream) for stream in job.streams])
+        except Exception as exc:
+            for tracker in job.trackers:
+                tracker.finish("timeout" if isinstance(exc, RequestTimeoutError) else "error")
+            for stream in job.streams:
+                stream.close()
+            if job.on_done is not None:
+                job.on_done(0)
+            raise
 
     # ---- running ----------------------------------------------------------------------------------
     async def complete(self, job: Job) -> BaseModel:

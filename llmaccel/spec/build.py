@@ -48,11 +48,12 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
     return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device)), policy
 
 
-def check_same_tokenizer(name: str, spec: ModelSpec, tokenizer, target_spec: ModelSpec, target_tokenizer) -> None:
-    """A draft proposes token ids: they must mean the same text to the target."""
+def check_same_tokenizer(name: str, spec: ModelSpec, tokenizer, target_spec: ModelSpec, target_tokenizer,
+                         role: str = "draft model") -> None:
+    """A draft proposes token ids (a cascade model gets them): they must mean the same text to both models."""
     if spec.vocab_size != target_spec.vocab_size:
-        raise ValueError(f"the draft model {name} has a vocabulary of {spec.vocab_size} tokens, the model "
-                         f"{target_spec.vocab_size}: a draft model must share the model's tokenizer")
+        raise ValueError(f"the {role} {name} has a vocabulary of {spec.vocab_size} tokens, the model "
+                         f"{target_spec.vocab_size}: a {role} must share the model's tokenizer")
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"the draft model {name}'s tokenizer maps tokens to other ids than the model's: a draft "
-                         "model must share the model's tokenizer")
+        raise ValueError(f"the {role} {name}'s tokenizer maps tokens to other ids than the model's: a {role} "
+                         "must share the model's tokenizer")

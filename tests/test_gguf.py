@@ -137,3 +137,27 @@ def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, t
     assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="--quantization gguf needs a .gguf model"):
         LLM(str(tied_dir), quantization="gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.F32])
+def test_the_fast_tensor_table_reads_what_the_gguf_package_reads(tied_dir, tmp_path, tiny_tokenizer, qtype):
+    """read_tensors walks past the metadata (tokenizer strings, merges, arrays) to the same tensors, with
+    the same names, shapes, types and bytes; a file cut short or of another kind is a ValueError."""
+    from llmaccel.model.gguf_tensors import read_tensors
+
+    path = _write(tied_dir, tmp_path, qtype, tiny_tokenizer)
+    ours, theirs = read_tensors(path), gguf.GGUFReader(str(path)).tensors
+    assert [(t.name, t.shape, t.tensor_type) for t in ours] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)) for t in theirs]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert np.array_equal(mine.data, np.asarray(reference.data).view(np.uint8).reshape(-1)), mine.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        read_tensors(cut)
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match="header ends early"):
+        read_tensors(cut)
+    cut.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        read_tensors(cut)

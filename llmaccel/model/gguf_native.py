@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from llmaccel.model.gguf_convert import hf_tensor_name, unpermute_rows
+from llmaccel.model.gguf_tensors import read_tensors
 from llmaccel.model.loader import resolve_model_path
 from llmaccel.model.spec import ModelSpec
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, pack_int4
@@ -45,12 +46,12 @@ def gguf_quantized_weights(path: Path, config: dict) -> dict[str, Int4Weight | I
     types = gguf.GGMLQuantizationType
     block_bytes = {types.Q4_0: 18, types.Q4_1: 20, types.Q8_0: 34}
     out = {}
-    for tensor in gguf.GGUFReader(str(path)).tensors:
+    for tensor in read_tensors(path):
         hf_name = hf_tensor_name(tensor.name)
         if tensor.tensor_type not in block_bytes or hf_name is None or len(tensor.shape) != 2:
             continue
         in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        raw = np.asarray(tensor.data, dtype=np.uint8)
+        raw = tensor.data
         blocks = raw.reshape(-1, in_features // GROUP, block_bytes[tensor.tensor_type])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if tensor.tensor_type == types.Q8_0:

@@ -116,7 +116,7 @@ def test_stop_token_inside_the_kept_drafts_ends_the_request_there():
 
 
 def test_the_policy_measures_both_sides_then_keeps_the_faster_and_rechecks_it_ever_less_often():
-    policy = SpeculationPolicy(3, max_model_len=100, explore_every=2, max_explore_every=8)
+    policy = SpeculationPolicy(3, max_model_len=100, explore_every=2, max_explore_every=8, trial_budget=1.0)
     decisions = []
     for _ in range(30):
         speculate = policy.speculates(64)
@@ -135,6 +135,20 @@ def test_the_policy_measures_both_sides_then_keeps_the_faster_and_rechecks_it_ev
     request.output_token_ids = [7, 8]
     assert policy.draft_slots(request, 1) == 2  # 5 - 2 - 1 tokens left to draft: the last one is the target's
     assert SpeculationPolicy(3, 100, max_batch=4).draft_slots(request, 5) == 0
+
+
+@pytest.mark.parametrize(("drafted_rate", "first_interval"), [(195, 16), (100, 100), (20, 400)])
+def test_trials_of_a_losing_side_stay_within_their_budget(drafted_rate, first_interval):
+    """Drafts at 0.975x plain: trial steps cost 2.5% more each, so the floor (16) holds; at 0.5x a trial costs
+    a whole step more and comes every 100 steps at most (1%); at 0.1x every 400 (the cap)."""
+    policy = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=400)
+    decisions = []
+    for _ in range(first_interval + 4):
+        speculate = policy.speculates(64)
+        decisions.append(speculate)
+        policy.record_step(64, speculate, drafted_rate if speculate else 200, 1.0)
+    assert decisions[:2] == [False, True]
+    assert decisions.index(True, 2) == 2 + first_interval
 
 
 # ---- the engine: greedy output is HF's ----------------------------------------------------------
@@ -354,3 +368,36 @@ def test_served_with_the_openai_client_usage_and_metrics_count_the_drafts(case):
         assert drafts == 2 * (details.accepted_prediction_tokens + details.rejected_prediction_tokens)
         assert metric(server, "llmaccel_spec_decode_mean_accepted_length") > 1
     assert reply.usage.completion_tokens == 24
+
+
+def test_a_trial_measures_its_side_afresh():
+    """Drafts lost at 100 against 200 tokens/s; the machine then slows to 40% of its speed. Plain steps follow
+    it (80); the next trial of drafts runs at 40, and that, not a blend with the stale 100 (88, which
+    would beat 80), decides: plain stays."""
+    policy = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=64, trial_budget=1.0)
+    speed = 1.0
+    for step in range(200):
+        if step == 20:
+            speed = 0.4
+        speculate = policy.speculates(64)
+        if speculate and step > 20:
+            policy.record_step(64, True, 100 * speed, 1.0)
+            assert policy.speculates(64) is False
+            return
+        policy.record_step(64, speculate, (100 if speculate else 200) * speed, 1.0)
+    raise AssertionError("no trial of drafts after the slowdown")
+
+
+def test_a_draft_models_catch_up_counts_in_the_cost_of_a_trial():
+    """Drafts at 190 against 200 tokens/s alone would be re-tried every 16 steps (a trial step costs 5% more:
+    ceil(0.0526 / 0.01) = 6 < 16); a catch-up step of 2 s, 6.25 plain steps of 64 tokens at 200 tokens/s,
+    pushes the next trial out to ceil((0.0526 + 6.25) / 0.01) steps, capped at 400."""
+    policy = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=400)
+    policy.record_step(64, False, 200, 1.0)
+    policy.record_catch_up(64, 2.0)
+    policy.record_step(64, True, 190, 1.0)
+    assert policy.intervals[policy.bucket(64)] == 400
+    plain_only = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=400)
+    plain_only.record_step(64, False, 200, 1.0)
+    plain_only.record_step(64, True, 190, 1.0)
+    assert plain_only.intervals[plain_only.bucket(64)] == 16  # 5% more every 16 steps: 0.3%, within 1%

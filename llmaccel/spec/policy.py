@@ -5,15 +5,22 @@ decoding, the target's step is bound by reading its weights, so extra rows come 
 many, the step is bound by compute and drafts that are rejected are pure cost. Neither the crossover
 nor the acceptance rate is known in advance (they depend on the machine, the draft and the text),
 so the policy measures both: per bucket of decoding batch size (1, 2-3, 4-7, ...), the tokens per
-second of decode-only steps with and without drafts (exponential moving averages), and speculates
-where the measured rate with drafts is higher. Each side is tried first, and the side not chosen is
+second of decode-only steps with and without drafts (exponential moving averages of the chosen side;
+a trial of the other side replaces its rate), and speculates where the measured rate with drafts is
+higher. Each side is tried first, and the side not chosen is
 tried again after `explore_every` steps of that bucket, an interval that doubles each time the trial
 confirms the choice, so the choice follows changes in the text or the machine while trials of a
-losing side stay rare. `max_batch`, when given, replaces the measurement by a fixed limit.
+losing side stay rare. The interval is also never shorter than what keeps those trials within
+`trial_budget` of the bucket's time: a trial step of a side measured at half the other's rate costs
+one step more, so at 1% it comes at most every 100 steps; a draft model that must first catch its KV
+up over the plain stretch (`record_catch_up`) adds that step's cost. (At 64 requests the first trials, 16, 32 and
+64 steps apart, cost 2-3% of a 128-token batch.) `max_batch`, when given, replaces the measurement by
+a fixed limit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmaccel.engine.request import Request
@@ -45,17 +52,20 @@ class SpeculationStats:
 
 class SpeculationPolicy:
     def __init__(self, num_speculative_tokens: int, max_model_len: int, max_batch: int | None = None,
-                 explore_every: int = 16, max_explore_every: int = 1024, smoothing: float = 0.2) -> None:
+                 explore_every: int = 16, max_explore_every: int = 1024, smoothing: float = 0.2,
+                 trial_budget: float = 0.01) -> None:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
+        self.trial_budget = trial_budget
         self.rates: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s of decode-only steps
         self.steps: dict[int, int] = {}  # bucket -> decode-only steps recorded since its last exploration
         self.intervals: dict[int, int] = {}  # bucket -> steps between explorations of the side not chosen
         self.choices: dict[int, bool] = {}  # bucket -> the side chosen at its last exploration
+        self.catch_up: dict[int, float] = {}  # bucket -> the last catch-up step's cost, in plain steps
         self.stats = SpeculationStats()
 
     @staticmethod
@@ -97,18 +107,39 @@ class SpeculationPolicy:
         rate = num_tokens / seconds
         key = (bucket, speculated)
         old = self.rates.get(key)
-        self.rates[key] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        trial = bucket in self.choices and speculated != self.choices[bucket]
+        # a trial's rate replaces its side's: that side was last measured a trial ago, on a machine whose
+        # speed has moved since, and a stale rate would keep the choice flipping for steps afterwards
+        self.rates[key] = rate if old is None or trial else (1 - self.smoothing) * old + self.smoothing * rate
         with_drafts, without = self.rates.get((bucket, True)), self.rates.get((bucket, False))
         if with_drafts is None or without is None:
             return
         better = with_drafts >= without
         if bucket not in self.choices:  # both sides measured: the first choice
             self.steps[bucket] = 0
+            self.intervals[bucket] = self._affordable(self.explore_every, bucket)
         elif speculated != better:  # this step tried the side not chosen
             confirmed = self.choices[bucket] == better
             interval = self.intervals.get(bucket, self.explore_every)
-            self.intervals[bucket] = min(2 * interval, self.max_explore_every) if confirmed else self.explore_every
+            self.intervals[bucket] = self._affordable(2 * interval, bucket) if confirmed \
+                else self.explore_every
             self.steps[bucket] = 0
         else:
             self.steps[bucket] = self.steps.get(bucket, 0) + 1
         self.choices[bucket] = better
+
+    def record_catch_up(self, num_decoding: int, seconds: float) -> None:
+        """A decode-only step whose draft model first caught its KV up (not a steady step: not a rate)."""
+        without = self.rates.get((self.bucket(num_decoding), False))
+        if without is not None and num_decoding >= 1:
+            self.catch_up[self.bucket(num_decoding)] = seconds * without / num_decoding
+
+    def _affordable(self, interval: int, bucket: int) -> int:
+        """`interval`, lengthened until a trial of the slower side every so many steps costs at most
+        `trial_budget` of the time (a trial step costs faster / slower - 1 steps more, and a trial of
+        drafts the draft model's catch-up), and capped."""
+        with_drafts, without = self.rates[(bucket, True)], self.rates[(bucket, False)]
+        extra = max(with_drafts, without) / min(with_drafts, without) - 1
+        if without >= with_drafts:
+            extra += self.catch_up.get(bucket, 0.0)
+        return min(max(interval, math.ceil(extra / self.trial_budget)), self.max_explore_every)

@@ -12,14 +12,14 @@ import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,20 +28,13 @@ from llmaccel.cache.result_cache import ResultCache
 from llmaccel.config import ServerConfig
 from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
 from llmaccel.engine.engine import LLMEngine
-from llmaccel.errors import (
-    ContentFilterError,
-    EngineDeadError,
-    EngineOverloadedError,
-    PromptTooLongError,
-    RequestFailedError,
-    RequestTimeoutError,
-)
 from llmaccel.safety.input_filter import InputFilter
-from llmaccel.safety.output_guard import GuardConfig, OutputGuard, worst_verdict
+from llmaccel.safety.output_guard import GuardConfig, OutputGuard
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
 from llmaccel.server import openapi
 from llmaccel.server import protocol as p
+from llmaccel.server.answer import answer
 from llmaccel.server.answer_checks import AnswerChecks
 from llmaccel.server.auth import Gate, parse_networks
 from llmaccel.server.cascade import CascadeRouter, CascadeRule, check_cascade
@@ -49,7 +42,7 @@ from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
-from llmaccel.server.serving import OpenAIServing, error_info
+from llmaccel.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +209,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
     @api.post("/chat/completions", response_model=p.ChatCompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        return await _answer(serving(), body, model_for(body.model), request, state)
+        return await answer(serving(), body, model_for(body.model), request, state)
 
     @api.post("/completions", response_model=p.CompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        return await _answer(serving(), body, model_for(body.model), request, state)
+        return await answer(serving(), body, model_for(body.model), request, state)
 
     app.include_router(api)
 
@@ -255,98 +248,6 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
 
     app.openapi = lambda: openapi.openapi_schema(app, state.model_names)
     return app
-
-
-async def _answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
-                  request: Request, state: ServerState) -> Response:
-    limiter, client = state.rate_limiter, state.gate.client_id(request)
-    if limiter is not None and (limited := limiter.admit(client)) is not None:
-        state.metrics.rate_limited.labels(limit=limited.limit).inc()
-        raise APIError(429, f"rate limit reached: this client may send {_limit_text(state.config, limited.limit)} "
-                       f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
-                       rejected="rate_limited")
-    prompt_param = "messages" if hasattr(body, "messages") else "prompt"
-    try:
-        job = serving.submit(body, model)
-    except ContentFilterError as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="content_filter", rejected="content_filter") from None
-    except EngineOverloadedError as exc:
-        raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                       rejected="queue_full") from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable",
-                       rejected="unavailable") from None
-    except PromptTooLongError as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded",
-                       rejected="invalid_request") from None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=getattr(exc, "param", None), rejected="invalid_request") from None
-    if limiter is not None:
-        limiter.charge(client, sum(job.prompt_lengths))
-        job.on_done = lambda completion_tokens: limiter.charge(client, completion_tokens)
-    cache_header = {"x-llmaccel-cache": job.cache}
-    if body.stream:
-        try:  # a cascade decides before the first byte, so its route can go in a header
-            route = await serving.routes(job)
-        except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
-            raise _failed(exc) from None
-        if route is not None:
-            cache_header["x-llmaccel-route"] = route
-        return _SSEResponse(serving.stream(job), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **cache_header})
-    task = asyncio.create_task(serving.complete(job))
-    watcher = asyncio.create_task(_disconnected(request))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if not task.done():  # the client went away: cancelling the task aborts its engine requests
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
-        return Response(status_code=499)
-    try:
-        response = task.result()
-    except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
-        raise _failed(exc) from None
-    body, headers = response.model_dump(), dict(cache_header)
-    if (route := await serving.routes(job)) is not None:  # decided already: the answer is there
-        headers["x-llmaccel-route"] = route
-    if job.guard_reports:  # the output guard's verdicts: a header for the worst, each choice's in the body
-        headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
-        body["guard"] = [r.as_dict() for r in job.guard_reports]
-    return JSONResponse(body, headers=headers)
-
-
-def _failed(exc: Exception) -> APIError:
-    """The error response of a request that failed after it was accepted (a cascade's large model may find
-    its queue full only then)."""
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                        rejected="queue_full")
-    info = error_info(exc)
-    status = 504 if isinstance(exc, RequestTimeoutError) else 500 if isinstance(exc, RequestFailedError) else 503
-    return APIError(status, info.message, info.type, code=info.code)
-
-
-def _limit_text(config: ServerConfig, limit: str) -> str:
-    return (f"{config.rate_limit_requests} requests" if limit == "requests"
-            else f"{config.rate_limit_tokens} tokens")
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes its generator however the response ends, so a vanished client's requests are aborted now."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with suppress(Exception):
-                await self.body_iterator.aclose()
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -170,3 +170,29 @@ def test_both_engines_run_in_one_thread(models):
 
         large_thread, small_thread = asyncio.run_coroutine_threadsafe(both(), server.state.engine._loop).result(30)
         assert large_thread == small_thread != threading.get_ident()
+
+
+def test_each_prompt_has_its_route_and_a_stored_result_says_cache(models):
+    with live_server(models["large"], small_dir=models["small"], cascade_threshold=float("-inf"),
+                     engine_options=FLOAT32, result_cache=True) as server:
+        body = {"prompt": ["Tell me a story", "What is the capital of France?"], "max_tokens": 6, "temperature": 0}
+        first = httpx.post(server.url + "/v1/completions", json=body)
+        assert first.status_code == 200
+        assert (first.headers["x-llmaccel-route"], first.headers["x-llmaccel-cache"]) == ("small,small", "miss")
+        again = httpx.post(server.url + "/v1/completions", json=body)
+        assert (again.headers["x-llmaccel-route"], again.headers["x-llmaccel-cache"]) == ("cache,cache", "hit")
+        assert [c["text"] for c in again.json()["choices"]] == [c["text"] for c in first.json()["choices"]]
+        assert metric(server, "llmaccel_cascade_requests_total", route="small") == 2  # the hits never ran
+
+
+def test_a_deadline_passed_while_deciding_is_a_504_and_frees_every_block(models):
+    """The small model has not reached its 400th token when the request's 0.2 s are up: a 504 with
+    OpenAI's error JSON, streamed or not (a stream has sent nothing yet), and nothing left in either engine."""
+    with live_server(models["large"], small_dir=models["small"], cascade_threshold=float("-inf"),
+                     cascade_decide_tokens=400, request_timeout=0.2, engine_options=FLOAT32) as server:
+        for stream in (False, True):
+            response = httpx.post(server.url + "/v1/chat/completions", json={
+                "messages": MESSAGES, "max_tokens": 500, "ignore_eos": True, "stream": stream})
+            assert response.status_code == 504, response.text
+            assert response.json()["error"]["code"] == "request_timeout"
+        wait_both_idle(server)

@@ -63,7 +63,7 @@ def test_int8_is_the_q8_activation_product(rows, grouped):
     gen = torch.Generator().manual_seed(rows)
     n, k = 70, 192
     x = torch.randn(rows, k, generator=gen)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)  # (AVX2's sign trick: not -128)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)  # the whole range, -128 too
     scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
     blocks = x.view(rows, k // BLOCK, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127

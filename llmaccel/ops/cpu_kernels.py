@@ -104,33 +104,47 @@ def load_cpu_kernels() -> ModuleType | None:
     with _lock:
         if _module is not None or _failed is not None:
             return _module
-        import torch
-        from torch.utils.cpp_extension import load
-
-        source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-        # the sources' directory too: torch's builder writes their absolute paths into the build file,
-        # so two checkouts sharing one build directory recompiled each other's kernels (~100 s a start)
-        key = (source + _BUILD_FLAGS_VERSION + _cpu_signature().encode() + torch.__version__.encode()
-               + str(_CSRC.resolve()).encode())
-        digest = hashlib.sha256(key).hexdigest()[:16]
-        build_dir = default_cache_dir() / "kernels" / digest
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _put_ninja_on_path()
-        if not any(build_dir.glob("*.so")):
-            logger.warning("compiling llmaccel's CPU kernels (once per machine, ~1 min)")
-        name = f"llmaccel_cpu_{digest}"
         try:
-            with _build_guard(build_dir):
-                _module = _import_built(name, build_dir)
-                if _module is None:
-                    _module = load(name=name, sources=[str(path) for path in _SOURCES],
-                                   build_directory=str(build_dir),
-                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
-                                                 "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"],
-                                   verbose=False)
-                    (build_dir / _BUILT).touch()
+            _module = _build("native")
         except Exception as exc:  # no compiler, no ninja, ...: the torch reference still works
             _failed = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable, using the torch reference attention (%s)", _failed[:300])
         return _module
+
+
+def build_for_arch(march: str) -> ModuleType:
+    """The kernels compiled for another CPU, e.g. `haswell` (AVX2 + FMA + F16C, no AVX-512): how the
+    tests check, on an AVX-512 machine, the code paths an AVX2-only one runs. Cached like the native
+    build; raises if the build fails."""
+    with _lock:
+        return _build(march)
+
+
+def _build(march: str) -> ModuleType:
+    """Compile (or load the cached build of) the kernels with -march=`march`; raises on failure."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    # the sources' directory too: torch's builder writes their absolute paths into the build file,
+    # so two checkouts sharing one build directory recompiled each other's kernels (~100 s a start)
+    target = _cpu_signature() if march == "native" else march
+    key = (source + _BUILD_FLAGS_VERSION + target.encode() + torch.__version__.encode()
+           + str(_CSRC.resolve()).encode())
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    build_dir = default_cache_dir() / "kernels" / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    if not any(build_dir.glob("*.so")):
+        logger.warning("compiling llmaccel's CPU kernels%s (once per machine, ~1 min)",
+                       "" if march == "native" else f" for -march={march}")
+    name = f"llmaccel_cpu_{digest}"
+    with _build_guard(build_dir):
+        module = _import_built(name, build_dir)
+        if module is None:
+            module = load(name=name, sources=[str(path) for path in _SOURCES], build_directory=str(build_dir),
+                          extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fno-finite-math-only",
+                                        "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+            (build_dir / _BUILT).touch()
+    return module

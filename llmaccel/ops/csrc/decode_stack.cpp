@@ -440,10 +440,12 @@ class DecodeStack {
 
 void bind_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear");
+  // module_local: two builds of these kernels in one process (the tests' -march=haswell build beside the
+  // native one) would otherwise register the same C++ types twice
+  py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear", py::module_local());
   m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
         py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
-  py::class_<DecodeStack>(m, "DecodeStack")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())

@@ -100,8 +100,10 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
 
 #elif defined(LLMACCEL_AVX2)
 constexpr int kPassRows = 1;
-// |x| . (w * sign(x)): maddubs' unsigned operand must be the activation (|x| <= 127 keeps the pairs it
-// adds below 2^15), so the stored w + 128 is turned back into signed w first.
+// |w| . (x * sign(w)), as llama.cpp's AVX2 dot products: the stored w + 128 is turned back into signed w,
+// maddubs takes |w| as its unsigned operand (|-128| reads as 128 there) and the activation with w's sign
+// (|x| <= 127, so a pair sums to at most 2 x 128 x 127 < 2^15). The other way round, sign(w, x) of
+// w = -128 wrapped to -128 and misread every such weight that met a negative activation.
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
                 int64_t i0, int rows, float* sums) {
@@ -117,8 +119,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
         const __m256i w = _mm256_xor_si256(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half)), flip);
         const __m256i x = _mm256_set1_epi32(x4[t]);
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x),
-                                                                         _mm256_sign_epi8(w, x)), ones));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
+                                                                         _mm256_sign_epi8(x, w)), ones));
       }
       const __m256 scale = grouped ? _mm256_loadu_ps(reinterpret_cast<const float*>(block + kWeightBytes) + 8 * half)
                                    : _mm256_set1_ps(1.0f);

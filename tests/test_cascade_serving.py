@@ -86,9 +86,14 @@ def test_a_sure_small_model_answers_as_it_would_alone(models):
         assert response.usage.completion_tokens == len(small_ids)
         assert response.choices[0].logprobs is None  # the cascade's own logprobs are not the client's
         assert ask(server, stream=True)[:2] == (small_text, "small")
+        with client(server).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=900, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True}) as stream:
+            next(iter(stream))  # the route is decided; the small request has ~900 steps (~1 s) to go
+            assert metric(server, "llmaccel_cascade_small_num_requests_running") == 1
+            assert metric(server, "llmaccel_cascade_small_kv_cache_usage_ratio") > 0
         _, _, response = ask(server, logprobs=True)
         assert [t.logprob for t in response.choices[0].logprobs.content] == pytest.approx(small_logprobs, abs=1e-5)
-        assert metric(server, "llmaccel_cascade_requests_total", route="small") == 3
+        assert metric(server, "llmaccel_cascade_requests_total", route="small") == 4
         assert metric(server, "llmaccel_cascade_requests_total", route="large") == 0
         wait_both_idle(server)
 
@@ -104,6 +109,8 @@ def test_an_unsure_small_model_hands_the_request_to_the_large_one(models):
         assert metric(server, "llmaccel_cascade_requests_total", route="large") == 2
         assert metric(server, "llmaccel_cascade_confidence_count") == 2
         wait_both_idle(server)
+        assert metric(server, "llmaccel_cascade_small_num_requests_running") == 0
+        assert metric(server, "llmaccel_cascade_small_kv_cache_usage_ratio") == 0.0
 
 
 @pytest.mark.parametrize("side", ["just above", "just below"])

@@ -136,6 +136,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         if small is not None:
             rule = CascadeRule(config.cascade_threshold, config.cascade_decide_tokens)
             cascade = CascadeRouter(small, async_engine, rule, state.metrics)
+            state.metrics.bind_cascade_small(lambda: small.engine.num_running_seqs, lambda: small.num_waiting,
+                                             lambda: small.engine.kv_cache_usage)
             variant += f"|cascade:{small.engine.variant}|{rule.threshold}|{rule.decide_tokens}"  # its answers differ
             logger.info("cascade: %s answers first (%.0f MB of weights against %.0f MB); the model answers when the "
                         "mean log-probability of its first %d tokens is below %g", config.cascade_small,

@@ -131,6 +131,16 @@ class ServerMetrics:
         """Export speculative decoding's counters (drafts proposed and kept), read at scrape time."""
         self.registry.register(_SpeculationCollector(stats))
 
+    def bind_cascade_small(self, running: Callable[[], float], waiting: Callable[[], float],
+                           kv_usage: Callable[[], float]) -> None:
+        """A cascade's small engine: its batch, queue and KV use, read at scrape time."""
+        for name, doc, read in (
+                ("cascade_small_num_requests_running", "Sequences in the small model's running batch.", running),
+                ("cascade_small_num_requests_waiting", "Sequences waiting for the small model.", waiting),
+                ("cascade_small_kv_cache_usage_ratio", "Share of the small model's KV blocks in use (0..1).",
+                 kv_usage)):
+            Gauge(PREFIX + name, doc, registry=self.registry).set_function(read)
+
     def bind_result_cache(self, cache) -> None:
         """Export the result cache's counters and size, read at scrape time."""
         self.registry.register(_ResultCacheCollector(cache))

@@ -13,6 +13,13 @@ kernels = gemv_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable or without AVX2 on this machine")
 
 
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the INT8 and INT4 kernels see them: rounded to INT8 with a scale per 32 inputs."""
+    blocks = x.view(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / d) * d).view_as(x)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
@@ -65,9 +72,7 @@ def test_int8_is_the_q8_activation_product(rows, grouped):
     x = torch.randn(rows, k, generator=gen)
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)  # the whole range, -128 too
     scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
-    blocks = x.view(rows, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks / d) * d).view(rows, k)  # the activations as the kernel sees them
+    xq = q8_rounded(x)  # the activations as the kernel sees them
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     want = xq.double() @ (q.double() * full.double()).t()
     got = kernels.gemv_i8(x, *pack_int8_blocks(q, scale), n)
@@ -137,9 +142,7 @@ def test_int4_is_the_q8_activation_product(rows, n, k):
     offset = torch.randn(n, k // BLOCK, generator=gen).half()
     w = q.float() * scale.float().repeat_interleave(BLOCK, 1) + offset.float().repeat_interleave(BLOCK, 1)
     x = torch.randn(rows, k, generator=gen)
-    blocks = x.view(rows, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks / d) * d).view(rows, k)
+    xq = q8_rounded(x)  # the activations as the kernel sees them
     got = kernels.gemv_i4(x, pack_int4_blocks(q, scale, offset), n)
     assert got.shape == (rows, n)
     assert relative_error(got.double(), xq.double() @ w.double().t()) < 1e-5

@@ -12,6 +12,7 @@ import torch
 
 from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks, to_panels
 from llmaccel.platform import cpu_features
+from tests.test_gemv import q8_rounded
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     gemv_kernels() is None or not {"avx2", "fma"} <= set(cpu_features()),
@@ -38,9 +39,7 @@ def test_avx2_int8_product_over_the_whole_int8_range(avx2, rows, grouped):
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     q[:, :8] = -128  # many weights -128, meeting activations of both signs
     scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
-    blocks = x.view(rows, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks / d) * d).view(rows, k)  # the activations as the kernel sees them
+    xq = q8_rounded(x)  # the activations as the kernel sees them
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     want = xq.double() @ (q.double() * full.double()).t()
     assert relative_error(avx2.gemv_i8(x, *pack_int8_blocks(q, scale), n), want) < 1e-6
@@ -55,9 +54,7 @@ def test_avx2_int4_and_float32_products(avx2, rows):
     scale = torch.rand(n, k // BLOCK, generator=gen).half()  # w = q * scale + offset, both float16 per block
     offset = torch.randn(n, k // BLOCK, generator=gen).half()
     weight = q * scale.float().repeat_interleave(BLOCK, 1) + offset.float().repeat_interleave(BLOCK, 1)
-    blocks = x.view(rows, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks / d) * d).view(rows, k)
+    xq = q8_rounded(x)  # the activations as the kernel sees them
     got = avx2.gemv_i4(x, pack_int4_blocks(q, scale, offset), n)
     assert relative_error(got, xq.double() @ weight.double().t()) < 1e-5
     w = torch.randn(n, k, generator=gen)

@@ -283,7 +283,7 @@ class AsyncEngine:
         return self._step(engine)
 
     def _has_work(self) -> bool:
-        if self._host is not None and (self._error is not None or self._stopping or self.engine is None):
+        if self._host is not None and (self._error is not None or self._stopping):
             return False  # a stopped guest: nothing of it runs again
         return bool(self._commands) or self.engine.has_unfinished_requests()
 

@@ -47,8 +47,7 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
     except ContentFilterError as exc:
         raise APIError(400, str(exc), param=prompt_param, code="content_filter", rejected="content_filter") from None
     except EngineOverloadedError as exc:
-        raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                       rejected="queue_full") from None
+        raise _failed(exc) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable",
                        rejected="unavailable") from None
@@ -93,8 +92,8 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
 
 
 def _failed(exc: Exception) -> APIError:
-    """The error response of a request that failed after it was accepted (a cascade's large model may find
-    its queue full only then)."""
+    """The error response of a request whose engine request failed: a full queue (at submission, or for a
+    cascade's large model only after the small one was unsure), a timeout, a failed or a dead engine."""
     if isinstance(exc, EngineOverloadedError):
         return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
                         rejected="queue_full")

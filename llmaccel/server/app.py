@@ -93,10 +93,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                                    step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
                                    on_step=state.metrics.observe_step, background=_quality_watch(config, state),
                                    max_failed_steps=config.max_failed_steps, on_dead=engine_died)
-        small = None if small_engine_factory is None else AsyncEngine(
-            small_engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000, step_warn_s=config.step_warn_s,
-            max_waiting_requests=config.max_waiting_requests, max_failed_steps=config.max_failed_steps,
-            on_dead=engine_died, host=async_engine)  # one thread steps both (see AsyncEngine)
+        small = None if small_engine_factory is None else AsyncEngine(  # stepped by the host's thread and loop
+            small_engine_factory, max_waiting_requests=config.max_waiting_requests,
+            max_failed_steps=config.max_failed_steps, on_dead=engine_died, host=async_engine)
         try:
             await async_engine.start()
             if small is not None:

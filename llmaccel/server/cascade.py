@@ -26,6 +26,7 @@ from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import InvalidRequestError
 from llmaccel.outputs import RequestOutput
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.server.result_streams import FlightSubscriber
 from llmaccel.spec.build import check_same_tokenizer
 
 if TYPE_CHECKING:
@@ -169,8 +170,7 @@ class CascadeStream:
 async def cascade_route(stream: object) -> str:
     """The route of a job's stream once decided: a cascaded request's own, that of the identical request
     in flight it shares (result_streams.FlightSubscriber), or "cache" for a stored result."""
-    flight = getattr(stream, "flight", None)
-    source = flight.stream if flight is not None else stream
+    source = stream.flight.stream if isinstance(stream, FlightSubscriber) else stream
     if isinstance(source, CascadeStream):
         return await asyncio.shield(source.decided)
     return "cache"

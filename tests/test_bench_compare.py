@@ -126,6 +126,23 @@ def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_pa
         assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20
 
 
+def test_a_peer_that_dies_at_start_is_recorded_and_the_others_are_still_measured(llama_dir, tmp_path, capsys):
+    """llama.cpp's AMX path crashed at start on one machine: the run keeps every other server's figures."""
+    out = tmp_path / "peers.json"
+    dying = f"{sys.executable} -c \"import sys; print('crashed in warm-up'); sys.exit(139)\""
+    assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "2", "--concurrency", "2",
+                 "--output-len", "4", "--single-output-len", "6", "--single-repeat", "1", "--no-progress",
+                 "--skip-baseline", "--serve-args", "--num-kv-blocks 64", "--peer-command", f"dies={dying}",
+                 "--result-json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "| | llmaccel |" in captured.out and "did not start (see the result JSON): dies" in captured.out
+    assert "dies did not start; measuring the others" in captured.err
+    systems = json.loads(out.read_text())["systems"]
+    assert [s["label"] for s in systems] == ["llmaccel", "dies"]
+    assert systems[0]["single"]["total_output_tokens"] == 6
+    assert "did not come up" in systems[1]["failed_to_start"] and "crashed in warm-up" in systems[1]["failed_to_start"]
+
+
 def test_compare_names_a_malformed_peer(llama_dir, capsys):
     assert main(["bench", "compare", "--model", str(llama_dir), "--skip-baseline", "--skip-llmaccel",
                  "--peer-command", "no label here"]) == 2

@@ -89,10 +89,11 @@ def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
-@pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn"])
+@pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn", "vnni_stream", "brgemm"])
 def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_dirs, name, kernel, monkeypatch):
     """Three sequences decode together: the stack streams, runs the AVX512-BF16 GEMM inside its region, or
-    calls oneDNN between its phases, as the layer path does at the same rows."""
+    calls oneDNN between its phases, as the layer path does at the same rows; with the weights packed for
+    AMX it streams them or runs oneDNN's brgemm inside its region."""
     if kernel not in candidates():
         pytest.skip(f"no {kernel} kernel on this CPU")
     monkeypatch.setenv(FORCE_ENV, kernel)
@@ -126,6 +127,6 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
         step(tables=table + 9)
     with pytest.raises(RuntimeError, match="one K and one V pool a layer"):
         step(k_pools=pools[:1])
-    with pytest.raises(RuntimeError, match="unknown bfloat16 kernel 'fastest' \\(stream, gemm or onednn\\)"):
+    with pytest.raises(RuntimeError, match="unknown bfloat16 kernel 'fastest' \\(stream, gemm, onednn, vnni_stream or"):
         step(kernel="fastest")
     step()  # and the same step, well formed, runs

@@ -13,9 +13,18 @@ import torch
 from llmaccel import LLM
 from llmaccel.ops import kernel_choice
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
-from llmaccel.ops.kernel_choice import FORCE_ENV, Bf16Choice, candidates, run_bf16, tune_bf16
+from llmaccel.ops.kernel_choice import (
+    FORCE_ENV,
+    PACKED_KERNELS,
+    Bf16Choice,
+    candidates,
+    pack_vnni,
+    run_bf16,
+    tune_bf16,
+)
 
 needs_gemm = pytest.mark.skipif("gemm" not in candidates(), reason="no AVX512-BF16 GEMM on this CPU")
+needs_packed = pytest.mark.skipif("brgemm" not in candidates(), reason="torch's brgemm cannot pack bf16 here (no AMX)")
 
 
 @needs_gemm
@@ -53,6 +62,62 @@ def test_the_gemm_names_what_it_cannot_take():
         gemm(torch.zeros(2, 6, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
 
 
+@needs_packed
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(8, 2), (37, 96), (300, 578), (576, 1536)])
+def test_the_packed_kernels_match_float64(kernel, rows, n, k):
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    got = run_bf16(kernel, x, pack_vnni(w), n)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
+
+
+@needs_packed
+def test_packing_puts_each_pair_of_inputs_of_32_columns_side_by_side():
+    w = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6).to(torch.bfloat16)  # exact in bf16
+    packed = pack_vnni(w)
+    assert packed.shape == (2, 3, 32, 2)
+    assert packed[0, 1, 5].tolist() == [w[5, 2].item(), w[5, 3].item()]
+    assert packed[1, 2, 7].tolist() == [w[39, 4].item(), w[39, 5].item()]
+    assert packed[1, :, 8:].abs().sum().item() == 0  # columns 40..63 are padding
+
+
+@needs_packed
+def test_the_streamed_packed_rows_do_not_depend_on_the_rows_beside_them():
+    x = torch.randn(7, 576).to(torch.bfloat16)
+    packed = pack_vnni(torch.randn(100, 576).to(torch.bfloat16))
+    batch = run_bf16("vnni_stream", x, packed, 100)
+    for i in range(7):
+        assert torch.equal(run_bf16("vnni_stream", x[i:i + 1], packed, 100)[0], batch[i])
+
+
+@needs_packed
+def test_the_packed_kernels_name_what_they_cannot_take():
+    kernels = load_cpu_kernels()
+    packed = pack_vnni(torch.zeros(40, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K must be even, got 5"):
+        kernels.pack_vnni(torch.zeros(3, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="n = 70 does not fit 2 blocks of 32 columns"):
+        kernels.linear_vnni(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 70, "brgemm")
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \[rows, 8\]"):
+        kernels.linear_vnni(torch.zeros(2, 8), packed, 40, "brgemm")
+    with pytest.raises(RuntimeError, match="unknown packed kernel 'onednn'"):
+        kernels.linear_vnni(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 40, "onednn")
+
+
+def test_a_choice_names_kernels_of_its_own_layout_only():
+    with pytest.raises(ValueError, match="a plain layout's choice names another layout's kernel"):
+        Bf16Choice(((4, "stream"), (64, "brgemm")))
+    with pytest.raises(ValueError, match="a vnni layout's choice names another layout's kernel"):
+        Bf16Choice(((4, "vnni_stream"), (64, "onednn")), "vnni")
+    assert Bf16Choice(((4, "vnni_stream"), (64, "brgemm")), "vnni").describe() == (
+        "vnni_stream <= 4, brgemm above (vnni weights)")
+
+
 def test_a_choice_maps_every_row_count_to_its_bucket():
     choice = Bf16Choice(((2, "stream"), (4, "onednn"), (64, "gemm"), (256, "onednn")))
     assert [choice.kernel(r) for r in (1, 2, 3, 4, 5, 64, 65, 256, 5000)] == [
@@ -77,10 +142,11 @@ def test_the_timing_is_cached_per_machine_and_shapes(tmp_path, monkeypatch, capl
     assert [r for r, _ in layers.buckets] == list(kernel_choice.LAYER_BUCKETS)
     assert [r for r, _ in lm_head.buckets] == list(kernel_choice.HEAD_BUCKETS)
     assert {k for _, k in layers.buckets + lm_head.buckets} <= set(candidates())
-    assert all(k != "stream" for r, k in layers.buckets if r > kernel_choice.STREAM_MAX_ROWS)
+    assert all(k not in ("stream", "vnni_stream") for r, k in layers.buckets if r > kernel_choice.STREAM_MAX_ROWS)
     (saved,) = (tmp_path / "kernel_choice").glob("bf16-*.json")
     record = json.loads(saved.read_text())
     assert record["layers"] == [list(b) for b in layers.buckets] and record["cpu"]
+    assert record["layers_layout"] == layers.layout and record["lm_head_layout"] == lm_head.layout
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
         assert tune_bf16(weights, head) == (layers, lm_head)  # read back, not timed again
@@ -105,6 +171,23 @@ def test_a_bfloat16_model_runs_its_tuned_choice_in_every_projection(tiny_model_d
                for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
     assert model.decode_stack.bf16_choice is layers
     assert model.lm_head.bf16_choice is not kernel_choice.DEFAULT_CHOICE
-    weight = model.layers[0].o.weight
-    x = torch.randn(5, weight.shape[1]).to(torch.bfloat16)
-    assert torch.equal(model.layers[0].o(x), run_bf16(layers.kernel(5), x, weight))
+    o = model.layers[0].o
+    weight = o.vnni if layers.layout == "vnni" else o.weight  # the one copy, in the choice's layout
+    assert weight is not None and (o.weight is None) == (layers.layout == "vnni")
+    x = torch.randn(5, o.in_features).to(torch.bfloat16)
+    assert torch.equal(o(x), run_bf16(layers.kernel(5), x, weight, o.out_features))
+
+
+@needs_packed
+@pytest.mark.parametrize("name", ["llama-tied", "llama-gqa"])
+def test_a_model_whose_weights_are_packed_holds_one_copy_and_reads_its_table_from_it(tiny_model_dirs, name,
+                                                                                       monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "brgemm")
+    plain = LLM(str(tiny_model_dirs[name]), dtype="bfloat16").engine.runner.model
+    monkeypatch.setenv(FORCE_ENV, "stream")
+    reference = LLM(str(tiny_model_dirs[name]), dtype="bfloat16").engine.runner.model
+    for module in (plain.layers[0].qkv, plain.layers[1].mlp.down, plain.lm_head):
+        assert module.weight is None and module.vnni is not None and module.bf16_choice.layout == "vnni"
+    ids = torch.tensor([0, 1, 31, 32, 33, reference.spec.vocab_size - 1])
+    assert torch.equal(plain.embedding.rows(ids), reference.embedding.rows(ids))
+    assert plain.layers[0].qkv.weight_bytes == reference.layers[0].qkv.weight_bytes  # 128 columns: no padding

@@ -5,10 +5,11 @@
 # starts, measures and stops each in turn). W1 = one chat prompt x 300 tokens, W2 = 64 prompts x 128
 # tokens at concurrency 64.
 #
-#   tools/peers.sh [--vllm] [--no-llama-cpp] [--out docs/results/issue14/peers-<cpu>.json]
+#   tools/peers.sh [--vllm] [--no-llama-cpp] [--peers-only] [--out docs/results/issue14/peers-<cpu>.json]
 #
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
-# default against vLLM-CPU only, ~8 minutes).
+# default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
+# A server that dies at start is recorded as such in the JSON and the others are still measured.
 #
 # Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only
 # (../shared/FACTS.md): llama.cpp from the llama-cpp-python sdist (GGML_NATIVE: the CPU's own
@@ -23,12 +24,14 @@ THREADS=${THREADS:-$(nproc)}
 VLLM=0
 LLAMA_CPP=1
 OUT=""
+OURS=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     --vllm) VLLM=1; shift ;;
     --no-llama-cpp) LLAMA_CPP=0; shift ;;
+    --peers-only) OURS=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -54,9 +57,28 @@ if [[ $LLAMA_CPP == 1 ]]; then
       "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
   done
 
+  # Whether llama.cpp comes up with its weight repacking (on an AMX CPU: its AMX kernels), or "-nr". On a
+  # 2-core Xeon with AMX this build's AMX matmul died in its warm-up (SIGILL on `tilezero`: no tile
+  # configuration loaded on that thread; SIGSEGV with two threads), for Q8_0 and Q4_1 alike; without
+  # repacking it runs its AVX-512 VNNI dot products.
+  repack_flag() {
+    local port=$((20000 + RANDOM % 20000))
+    "$BIN/llama-server" -m "$1" -t "$THREADS" -np 1 -c 2048 --host 127.0.0.1 --port $port >/dev/null 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 240); do
+      if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+        kill $pid; wait $pid 2>/dev/null || true; echo ""; return
+      fi
+      if ! kill -0 $pid 2>/dev/null; then
+        echo "llama.cpp died at start on $1 with weight repacking; it runs with -nr" >&2; echo "-nr"; return
+      fi
+      sleep 0.5
+    done
+    kill $pid; wait $pid 2>/dev/null || true; echo ""
+  }
   # llama.cpp's best on a CPU: flash attention, 64 slots (it batches across slots), BOS as HF adds it.
   llama() {
-    echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos" \
+    echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos $(repack_flag "$2")" \
       "--override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
   }
   # weight bytes a token, for each lone request's share of the bandwidth ceiling: the model file
@@ -95,6 +117,7 @@ print(n * (2 if sys.argv[2] in ('bfloat16', 'float16') else 4))" "$MODEL_DIR" "$
   peers+=(--weight-bytes "vllm-cpu-$DTYPE=$WEIGHT_BYTES")
 fi
 
+[[ $OURS == 0 ]] && variants=(--skip-llmaccel)
 args=(--skip-baseline --output-len 128 --single-output-len 300 --single-repeat 5 "${variants[@]}" "${peers[@]}")
 [[ -n $OUT ]] && args+=(--result-json "$OUT")
 exec "$PY" -m llmaccel.cli bench compare "${args[@]}"

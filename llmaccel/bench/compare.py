@@ -167,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
         started = time.monotonic()
-        proc = start_server(command, port, logs / f"{label}.log")
+        try:
+            proc = start_server(command, port, logs / f"{label}.log")
+        except RuntimeError as exc:  # one server that dies at start costs the run its column, not the others
+            print(f"{label} did not start; measuring the others (log: {logs / label}.log)", file=sys.stderr)
+            systems.append({"label": label, "failed_to_start": str(exc)[-2000:]})
+            continue
         try:
             extra = args.peer_extra_body if any(label == peer for peer, _ in peer_commands) else None
             figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra, weight_bytes)
@@ -210,6 +215,8 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
         ("seconds from start to serving", lambda s: s.get("start_seconds"), "lower"),
         ("failed requests", lambda s: s["single"]["failed"] + s["concurrent"]["failed"], None),
     ]
+    failed = [s["label"] for s in systems if "failed_to_start" in s]
+    systems = [s for s in systems if "failed_to_start" not in s]
     ours = next((s for s in systems if s["label"] == "llmaccel"), None)
     base = systems[0] if systems and systems[0] is not ours else None
     head = "| | " + " | ".join(s["label"] for s in systems) + (" | improvement |" if base and ours else " |")
@@ -221,6 +228,8 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
             b, o = get(base), get(ours)
             extra = f" {_ratio(b, o, better)} |" if better else " |"
         lines.append(f"| {name} | " + " | ".join(cells) + " |" + extra)
+    if failed:
+        lines.append(f"\ndid not start (see the result JSON): {', '.join(failed)}")
     return "\n".join(lines)
 
 

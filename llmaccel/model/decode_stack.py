@@ -36,6 +36,8 @@ def stack_linear(kernels, module: nn.Module):
     bias = getattr(module, "bias", None)
     if isinstance(module, Linear) and module.panels is not None:
         return kernels.stack_linear("f32", module.panels, None, bias, module.out_features)
+    if isinstance(module, Linear) and module.vnni is not None:
+        return kernels.stack_linear("bf16_vnni", module.vnni, None, bias, module.out_features)
     if (isinstance(module, Linear) and module.weight is not None and module.weight.dtype == torch.bfloat16
             and module.weight.device.type == "cpu"):
         return kernels.stack_linear("bf16", module.weight, None, bias, module.out_features)
@@ -50,7 +52,8 @@ class DecodeStack:
     """The C++ stack holding a model's layers (`stack`); it takes decode-only steps in the model's dtype.
     Plain bfloat16 weights run the kernel `bf16_choice` names for the step's rows (the layers' own
     choice, ops/kernel_choice.py): the streaming kernel or the AVX512-BF16 GEMM inside the stack's one
-    parallel region, or oneDNN GEMMs between its phases. None: no plain bf16 weights, always in the region."""
+    parallel region, or oneDNN GEMMs between its phases; weights packed for AMX stream or run oneDNN's
+    brgemm inside the region. None: no plain bf16 weights, always in the region."""
 
     def __init__(self, stack, dtype: torch.dtype, bf16_choice: Bf16Choice | None) -> None:
         self.stack, self.dtype, self.bf16_choice = stack, dtype, bf16_choice
@@ -96,5 +99,5 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
                         str(exc).splitlines()[0])
             return None
     # every layer's plain bf16 projections share the layers' kernel choice (model/llama.choose_bf16_kernels)
-    plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.weight is not None), None)
+    plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.is_bf16), None)
     return DecodeStack(stack, dtype, plain_bf16)

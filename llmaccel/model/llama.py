@@ -162,7 +162,8 @@ class _WeightTaker:
 
 def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
-    plain bf16 Linear its choice: the layers one, the LM head its own (ops/kernel_choice.py)."""
+    plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
+    (ops/kernel_choice.py). A tied embedding table is the head's weight: it reads its rows in that layout."""
     first = model.layers[0]
     modules = (first.qkv, first.o, first.mlp.gate_up, first.mlp.down)
     plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
@@ -176,6 +177,6 @@ def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
     if layers_choice is not None:
         for layer in model.layers:
             for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
-                m.bf16_choice = layers_choice
+                m.set_bf16_choice(layers_choice)
     if head is not None:
-        head.bf16_choice = head_choice
+        head.set_bf16_choice(head_choice)

@@ -57,6 +57,21 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+                choice: Bf16Choice) -> torch.Tensor:
+    """x @ W.T (+ bias) for a bf16 weight packed for AMX (ops/csrc/linear_vnni.cpp), in x's dtype, by the
+    packed kernel `choice` names for x's rows. Any leading dims; the rows run in bfloat16."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), packed, n)
+    out = out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return out if bias is None else out + bias
+
+
+def vnni_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight [N, K] stored packed [N / 32, K / 2, 32, 2]: an embedding lookup."""
+    return packed[ids // 32, :, ids % 32, :].reshape(*ids.shape, -1)
+
+
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight [N, K] stored as panels: an embedding lookup in the tied table."""
     return panels[ids // PANEL, :, ids % PANEL]

@@ -1,18 +1,22 @@
-"""Which kernel computes a bfloat16 projection at each row count: timed on this machine, on the model's
-own weights, checked against a float64 reference, and cached.
+"""Which kernel computes a bfloat16 projection at each row count, and in which weight layout: timed on
+this machine, on the model's own weights, checked against a float64 reference, and cached.
 
-Three kernels read the same plain bf16 weight [N, K] (the model holds one copy):
-- `stream` (csrc/linear_bf16.cpp): one weight row at a time in float32; bandwidth-bound, so the fastest at
-  one or two rows everywhere, and slow past a few;
-- `gemm` (csrc/gemm_bf16.cpp): llmaccel's AVX512-BF16 GEMM (only where that was compiled);
-- `onednn` (F.linear): oneDNN's GEMM, the only one that uses AMX.
-Which wins depends on the CPU, the shape and the rows (measured on a 2-core AMD EPYC Zen 4: the GEMM
-1.1-1.25x oneDNN at 64 rows, oneDNN ahead at some prefill shapes; on an AMX Xeon oneDNN should win every
-batch), so none is assumed: `tune_bf16` times each candidate at every row bucket on the model's own
-weights, after checking its output against float64, and keeps the fastest. The layers' projections take
-one choice a bucket (the fastest in sum over qkv, o, gate_up and down), so the decode stack and the
-layer-by-layer path run the same kernel at the same rows and agree to the bit; the LM head takes its
-own. The result is cached per machine, torch, kernel build and shapes, so the next start reads it.
+The model holds one copy of each bf16 weight, in one of two layouts, each with its kernels:
+- `plain` [N, K]: `stream` (csrc/linear_bf16.cpp: one weight row at a time; bandwidth-bound, the
+  fastest at one or two rows, slow past a few), `gemm` (csrc/gemm_bf16.cpp: llmaccel's AVX512-BF16
+  GEMM, where that was compiled) and `onednn` (F.linear: oneDNN's GEMM, called between the decode
+  stack's phases);
+- `vnni` (csrc/linear_vnni.cpp: blocks of 32 columns of input pairs, the layout AMX tiles read):
+  `vnni_stream` (few rows) and `brgemm` (oneDNN's AMX micro-kernel inside llmaccel's own threads),
+  where torch's brgemm can pack bf16 (an AMX CPU).
+Which wins depends on the CPU, the shape and the rows (a 2-core AMD EPYC Zen 4: the GEMM 1.1-1.25x oneDNN
+at 64 rows; a 2-core Xeon with AMX: brgemm several times oneDNN from 4 rows up), so none is assumed:
+`tune_bf16` times every candidate at every row bucket on the model's own weights, after checking its
+output against float64, keeps each layout's fastest per bucket, then the layout that is faster over the
+buckets (the geometric mean of the per-bucket ratios). The layers' projections take one choice (the
+fastest in sum over qkv, o, gate_up and down), so the decode stack and the layer-by-layer path run the
+same kernel at the same rows and agree to the bit; the LM head takes its own. The result is cached per
+machine, torch, kernel build and shapes, so the next start reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,19 +39,25 @@ from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.platform import cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
-FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # stream, gemm or onednn: every row count (tests, A/B runs)
+FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # one kernel at every row count, in its layout (tests, A/B runs)
 LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
 HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
 STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads every row in float32)
 MAX_RELATIVE_ERROR = 2e-2  # bf16 outputs carry ~4e-3; a wrong kernel is off by far more
+PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout; the rest read plain
 
 
 @dataclass(frozen=True)
 class Bf16Choice:
     """The kernel for each row count: `buckets` pairs (up to this many rows, kernel), ascending; rows
-    past the last bucket take its kernel."""
+    past the last bucket take its kernel. `layout`: the weight layout every one of them reads."""
 
     buckets: tuple[tuple[int, str], ...]
+    layout: str = "plain"
+
+    def __post_init__(self) -> None:
+        if any((kernel in PACKED_KERNELS) != (self.layout == "vnni") for _, kernel in self.buckets):
+            raise ValueError(f"a {self.layout} layout's choice names another layout's kernel: {self.buckets}")
 
     def kernel(self, rows: int) -> str:
         limits = [limit for limit, _ in self.buckets]
@@ -60,7 +71,7 @@ class Bf16Choice:
             else:
                 runs.append((limit, kernel))
         parts = [f"{kernel} <= {limit}" for limit, kernel in runs[:-1]] + [f"{runs[-1][1]} above"]
-        return ", ".join(parts)
+        return ", ".join(parts) + ("" if self.layout == "plain" else f" ({self.layout} weights)")
 
 
 # Before tuning (and where tuning does not apply): the streaming kernel to two rows, oneDNN past them.
@@ -73,7 +84,7 @@ def forced_choice() -> Bf16Choice | None:
         return None
     if name not in candidates():
         raise ValueError(f"${FORCE_ENV}={name!r} is not a kernel this machine has: {', '.join(candidates())}")
-    return Bf16Choice(((1 << 30, name),))
+    return Bf16Choice(((1 << 30, name),), "vnni" if name in PACKED_KERNELS else "plain")
 
 
 def candidates() -> tuple[str, ...]:
@@ -81,11 +92,24 @@ def candidates() -> tuple[str, ...]:
     if kernels is None:
         return ("onednn",)
     gemm = hasattr(kernels, "gemm_bf16_available") and kernels.gemm_bf16_available()
-    return ("stream", "gemm", "onednn") if gemm else ("stream", "onednn")
+    packed = PACKED_KERNELS if hasattr(kernels, "vnni_available") and kernels.vnni_available() else ()
+    return ("stream", "gemm", "onednn", *packed) if gemm else ("stream", "onednn", *packed)
 
 
-def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T in x's dtype by the named kernel (no bias)."""
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """The vnni layout of a plain bf16 weight [N, K] (K even): [ceil(N / 32), K / 2, 32, 2]."""
+    return load_cpu_kernels().pack_vnni(weight.contiguous())
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[1] % 2 == 0 and weight.dtype == torch.bfloat16
+
+
+def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x @ weight.T in x's dtype by the named kernel (no bias): `weight` in the kernel's layout (packed
+    for vnni_stream and brgemm, which also need the output count `n`)."""
+    if kernel in PACKED_KERNELS:
+        return load_cpu_kernels().linear_vnni(x, weight, n, kernel)
     if kernel == "stream":
         return load_cpu_kernels().gemv_bf16(x, weight).to(x.dtype)
     if kernel == "gemm":
@@ -93,48 +117,73 @@ def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.linear(x, weight)
 
 
-def _median_seconds(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> float:
-    run_bf16(kernel, x, weight)  # warm: oneDNN builds its primitive, caches fill
-    repeats = 5 if x.shape[0] * weight.numel() < 64 * 4_000_000 else 3
+class _Weight:
+    """A plain weight and, made on first use, its packed copy: each kernel reads its own layout."""
+
+    def __init__(self, plain: torch.Tensor) -> None:
+        self.plain, self._packed = plain, None
+
+    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel not in PACKED_KERNELS:
+            return run_bf16(kernel, x, self.plain)
+        if self._packed is None:
+            self._packed = pack_vnni(self.plain)
+        return run_bf16(kernel, x, self._packed, self.plain.shape[0])
+
+
+def _median_seconds(kernel: str, x: torch.Tensor, weight: _Weight) -> float:
+    weight.run(kernel, x)  # warm: oneDNN builds its primitive, caches fill
+    repeats = 5 if x.shape[0] * weight.plain.numel() < 64 * 4_000_000 else 3
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run_bf16(kernel, x, weight)
+        weight.run(kernel, x)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def _check(kernel: str, weight: torch.Tensor) -> str | None:
+def _check(kernel: str, weight: torch.Tensor | _Weight) -> str | None:
     """None if the kernel matches float64 at a few and at many rows, else what it got wrong."""
+    weight = weight if isinstance(weight, _Weight) else _Weight(weight)
     generator = torch.Generator().manual_seed(0)
     for rows in (3, 37):
-        x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
-        reference = x.double() @ weight.double().T
-        error = (run_bf16(kernel, x, weight).double() - reference).abs().max().item()
+        x = torch.randn(rows, weight.plain.shape[1], generator=generator).to(torch.bfloat16)
+        reference = x.double() @ weight.plain.double().T
+        error = (weight.run(kernel, x).double() - reference).abs().max().item()
         scale = reference.abs().max().item() or 1.0
         if not error <= MAX_RELATIVE_ERROR * scale:
-            return f"{kernel} at {rows} rows x {tuple(weight.shape)}: error {error:.3g} against {scale:.3g}"
+            return f"{kernel} at {rows} rows x {tuple(weight.plain.shape)}: error {error:.3g} against {scale:.3g}"
     return None
 
 
-def _fastest(weights: list[torch.Tensor], buckets: tuple[int, ...], kernels: tuple[str, ...],
+def _fastest(weights: list[_Weight], buckets: tuple[int, ...], kernels: tuple[str, ...],
              timings: dict) -> Bf16Choice:
-    """The kernel with the least total time over `weights` at each bucket."""
-    chosen = []
+    """The layout, and in it the kernel with the least total time over `weights` at each bucket."""
+    best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": []}
     for rows in buckets:
-        xs = [torch.randn(rows, w.shape[1]).to(torch.bfloat16) for w in weights]
+        xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
         totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
-                  for kernel in kernels if kernel != "stream" or rows <= STREAM_MAX_ROWS}
+                  for kernel in kernels if kernel not in ("stream", "vnni_stream") or rows <= STREAM_MAX_ROWS}
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
-        chosen.append((rows, min(totals, key=totals.get)))
-    return Bf16Choice(tuple(chosen))
+        for layout, names in (("plain", [k for k in totals if k not in PACKED_KERNELS]),
+                              ("vnni", [k for k in totals if k in PACKED_KERNELS])):
+            if names:
+                kernel = min(names, key=totals.get)
+                best[layout].append((rows, kernel, totals[kernel]))
+    layout = "plain"
+    if best["vnni"] and len(best["vnni"]) == len(best["plain"]):
+        log_ratio = sum(math.log(v[2] / p[2]) for v, p in zip(best["vnni"], best["plain"], strict=True))
+        layout = "vnni" if log_ratio < 0 else "plain"
+    elif best["vnni"] and not best["plain"]:
+        layout = "vnni"
+    return Bf16Choice(tuple((rows, kernel) for rows, kernel, _ in best[layout]), layout)
 
 
 def _cache_path(layer_weights: list[torch.Tensor], head: torch.Tensor | None) -> Path:
     kernels = load_cpu_kernels()
     shapes = [tuple(w.shape) for w in layer_weights] + ([tuple(head.shape)] if head is not None else [])
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
-                      getattr(kernels, "__name__", ""), shapes, LAYER_BUCKETS])
+                      getattr(kernels, "__name__", ""), shapes, LAYER_BUCKETS, "layouts"])
     return default_cache_dir() / "kernel_choice" / f"bf16-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -148,8 +197,10 @@ def tune_bf16(layer_weights: list[torch.Tensor],
     path = _cache_path(layer_weights, head)
     try:
         saved = json.loads(path.read_text())
-        layers = Bf16Choice(tuple((int(r), k) for r, k in saved["layers"])) if saved["layers"] else None
-        head_choice = Bf16Choice(tuple((int(r), k) for r, k in saved["lm_head"])) if saved["lm_head"] else None
+        layers = (Bf16Choice(tuple((int(r), k) for r, k in saved["layers"]), saved["layers_layout"])
+                  if saved["layers"] else None)
+        head_choice = (Bf16Choice(tuple((int(r), k) for r, k in saved["lm_head"]), saved["lm_head_layout"])
+                       if saved["lm_head"] else None)
         logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, layers.describe() if layers else "-",
                     head_choice.describe() if head_choice else "-")
         return layers, head_choice
@@ -158,22 +209,29 @@ def tune_bf16(layer_weights: list[torch.Tensor],
     start = time.perf_counter()
     timings: dict = {"layers": {}, "lm_head": {}}
     with torch.inference_mode():
+        weights = [_Weight(w) for w in layer_weights]
+        head_weight = _Weight(head) if head is not None else None
+        everything = weights + ([head_weight] if head_weight is not None else [])
         usable = []
         for kernel in candidates():
-            failed = next(filter(None, (_check(kernel, w) for w in layer_weights + [head] if w is not None)), None)
+            if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in everything):
+                continue
+            failed = next(filter(None, (_check(kernel, w) for w in everything)), None)
             if failed:
                 logger.warning("bf16 kernel %s; not used", failed)
             else:
                 usable.append(kernel)
         usable = tuple(usable) or ("onednn",)
-        layers = _fastest(layer_weights, LAYER_BUCKETS, usable, timings["layers"]) if layer_weights else None
-        head_choice = _fastest([head], HEAD_BUCKETS, usable, timings["lm_head"]) if head is not None else None
+        layers = _fastest(weights, LAYER_BUCKETS, usable, timings["layers"]) if weights else None
+        head_choice = _fastest([head_weight], HEAD_BUCKETS, usable, timings["lm_head"]) if head_weight else None
     seconds = time.perf_counter() - start
     logger.info("bf16 kernels timed in %.1f s: layers %s; LM head %s", seconds, layers.describe() if layers else "-",
                 head_choice.describe() if head_choice else "-")
     record = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(seconds, 2),
               "layers": [list(b) for b in layers.buckets] if layers else None,
+              "layers_layout": layers.layout if layers else None,
               "lm_head": [list(b) for b in head_choice.buckets] if head_choice else None,
+              "lm_head_layout": head_choice.layout if head_choice else None,
               "microseconds": timings}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

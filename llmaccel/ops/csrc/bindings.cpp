@@ -23,6 +23,9 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
 bool gemm_bf16_available();
+torch::Tensor pack_vnni(torch::Tensor w);
+torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel);
+bool vnni_available();
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
@@ -49,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "x @ w.T for few rows, bfloat16 weights in their plain layout, float32 sums", nogil);
   m.def("gemm_bf16", &gemm_bf16, "x @ w.T for bfloat16 batches on AVX512-BF16, w in its plain layout", nogil);
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 GEMM was compiled in", nogil);
+  m.def("pack_vnni", &pack_vnni, "bfloat16 [N, K] -> blocks of 32 columns [N / 32, K / 2, 32, 2] (AMX pairs)", nogil);
+  m.def("linear_vnni", &linear_vnni, "x @ w.T for bfloat16 weights packed by pack_vnni: vnni_stream or brgemm",
+        nogil);
+  m.def("vnni_available", &vnni_available, "whether the packed bfloat16 kernels (AMX brgemm) run here", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given", nogil);
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);

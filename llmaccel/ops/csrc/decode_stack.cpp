@@ -28,11 +28,13 @@ namespace llmaccel {
 
 // A projection's weights in one of the kernels' layouts.
 struct StackLinear {
-  enum Kind { kF32Panels, kBf16, kInt8, kInt4 } kind;
+  enum Kind { kF32Panels, kBf16, kBf16Vnni, kInt8, kInt4 } kind;
   torch::Tensor weight, scale, bias;  // scale: INT8 row scales (undefined where the blocks hold theirs)
   int64_t n = 0, k = 0;
 
   bool quantized() const { return kind == kInt8 || kind == kInt4; }
+  // the columns a thread's share is counted in: a packed block of 32, else a panel (or group) of 16
+  int64_t unit() const { return kind == kBf16Vnni ? kVnniBlock : kPanel; }
 
   // Output columns [c0, c1) of x W^T in float32 for m rows (no bias); x's rows quantized in `a` when
   // the weights are integers, and as bfloat16 bits in `xb` when they are bfloat16 values (else null).
@@ -56,7 +58,8 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
                                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                           int64_t n) {
   auto out = std::make_shared<StackLinear>();
-  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, "weight must be 2-D or 3-D (panels, INT8/INT4 blocks)");
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3 || kind == "bf16_vnni",
+              "weight must be 2-D or 3-D (panels, INT8/INT4 blocks)");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   out->weight = weight;
   out->n = n;
@@ -71,6 +74,10 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
                 "bf16 weights must be bfloat16 [N, K]");
     out->kind = StackLinear::kBf16;
     out->k = weight.size(1);
+  } else if (kind == "bf16_vnni") {
+    check_vnni(weight, n);
+    out->kind = StackLinear::kBf16Vnni;
+    out->k = weight.size(1) * 2;
   } else if (kind == "int8") {
     check_int8_blocks(weight, scale);
     check_groups_fit(weight, n);
@@ -83,7 +90,7 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
     out->kind = StackLinear::kInt4;
     out->k = weight.size(1) * kBlock;
   } else {
-    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, int8 or int4)");
+    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, bf16_vnni, int8 or int4)");
   }
   TORCH_CHECK(!out->quantized() || out->k % kBlock == 0, "K must be a multiple of 32");
   if (bias) {
@@ -106,10 +113,13 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
   return {units * tid / threads, units * (tid + 1) / threads};
 }
 
-// How a bfloat16 stack computes its bf16 projections: every one inside the stack's parallel region,
-// by the streaming kernel (few rows) or the AVX512-BF16 GEMM, or each by oneDNN between the region's
-// phases (where it measured fastest: AMX). ops/kernel_choice.py times them and picks per row count.
-enum class Bf16Kernel { kStream, kGemm, kOneDnn };
+// How a bfloat16 stack computes its bf16 projections. Plain weights: every one inside the stack's
+// parallel region, by the streaming kernel (few rows) or the AVX512-BF16 GEMM, or each by oneDNN
+// between the region's phases. Packed (VNNI) weights: inside the region, streamed (few rows) or by
+// oneDNN's brgemm micro-kernel (AMX). ops/kernel_choice.py times them and picks per row count.
+enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm };
+
+bool reads_packed(Bf16Kernel kernel) { return kernel == Bf16Kernel::kVnniStream || kernel == Bf16Kernel::kBrgemm; }
 
 Bf16Kernel parse_bf16_kernel(const std::string& name) {
   if (name == "stream") return Bf16Kernel::kStream;
@@ -117,7 +127,11 @@ Bf16Kernel parse_bf16_kernel(const std::string& name) {
     TORCH_CHECK(bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
     return Bf16Kernel::kGemm;
   }
-  TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name, "' (stream, gemm or onednn)");
+  if (name == "vnni_stream" || name == "brgemm") {
+    TORCH_CHECK(vnni_compiled(), "the packed bfloat16 kernels are not available on this CPU");
+    return name == "brgemm" ? Bf16Kernel::kBrgemm : Bf16Kernel::kVnniStream;
+  }
+  TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name, "' (stream, gemm, onednn, vnni_stream or brgemm)");
   return Bf16Kernel::kOneDnn;
 }
 
@@ -134,6 +148,10 @@ struct ProjectionInput {
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
+      if (w.kind == StackLinear::kBf16Vnni) {  // both packed kernels read the rows as they are
+        bits = reinterpret_cast<const uint16_t*>(x);
+        return;
+      }
     }
     if constexpr (std::is_same_v<T, float>) {
       rows = x;
@@ -167,8 +185,12 @@ class DecodeStack {
     TORCH_CHECK(gate_up->k == hidden_ && gate_up->n % (2 * kPanel) == 0, "gate_up must map hidden to 2 x I, I % 16 == 0");
     TORCH_CHECK(down->k == gate_up->n / 2 && down->n == hidden_, "down must map I to hidden");
     TORCH_CHECK(layers_.empty() || gate_up->n == layers_.front().gate_up->n, "every layer must have one width");
-    for (const auto* w : {&qkv, &o, &gate_up, &down})
+    TORCH_CHECK(gate_up->n % (2 * gate_up->unit()) == 0, "gate_up's halves must be whole blocks of ", gate_up->unit());
+    for (const auto* w : {&qkv, &o, &gate_up, &down}) {
       TORCH_CHECK(!(*w)->bias.defined() || (*w)->bias.scalar_type() == dtype_, "biases must have the stack's dtype");
+      TORCH_CHECK((*w)->kind != StackLinear::kBf16Vnni || dtype_ == torch::kBFloat16,
+                  "packed bfloat16 weights need a bfloat16 stack");
+    }
     check_norm(input_norm);
     check_norm(post_norm);
     layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window});
@@ -185,6 +207,12 @@ class DecodeStack {
                         const std::string& bf16_kernel, bool kv_first) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
     const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
+    for (const auto& layer : layers_)
+      for (const auto* w : {layer.qkv.get(), layer.o.get(), layer.gate_up.get(), layer.down.get()})
+        TORCH_CHECK((w->kind != StackLinear::kBf16Vnni || reads_packed(kernel)) &&
+                        (w->kind != StackLinear::kBf16 || !reads_packed(kernel)),
+                    "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
+                    w->kind == StackLinear::kBf16Vnni ? "packed" : "plain", " weights");
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
                         Bf16Kernel::kStream, kv_first);
@@ -243,6 +271,14 @@ class DecodeStack {
         if constexpr (std::is_same_v<T, at::BFloat16>)
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
+      } else if (w.kind == StackLinear::kBf16Vnni) {
+        if constexpr (std::is_same_v<T, at::BFloat16>) {  // (a float32 stack takes no packed weights)
+          const auto* packed = reinterpret_cast<const uint16_t*>(w.weight.data_ptr<at::BFloat16>());
+          if (kernel == Bf16Kernel::kBrgemm)
+            vnni_brgemm_columns(input.bits, w.k, seqs, w.k, packed, y, ldy, c0, c1);
+          else
+            vnni_stream_columns(input.bits, w.k, seqs, w.k, packed, y, ldy, c0, c1);
+        }
       } else if constexpr (std::is_same_v<T, float>) {
         w.columns(input.rows, input.bits, input.quantized, y, ldy, seqs, c0, c1);
       } else {
@@ -258,8 +294,9 @@ class DecodeStack {
     };
     auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y) {
       input.prepare(w, x, seqs, kernel);
-      const auto range = share((w.n + kPanel - 1) / kPanel, tid, threads);
-      columns(input, w, y, w.n, range.first * kPanel, std::min(w.n, range.second * kPanel));
+      const int64_t unit = w.unit();
+      const auto range = share((w.n + unit - 1) / unit, tid, threads);
+      columns(input, w, y, w.n, range.first * unit, std::min(w.n, range.second * unit));
     };
     // RoPE on an item's query and key heads, and its key and value into the pool
     auto rotate_and_write = [&](int64_t item, size_t l) {
@@ -318,8 +355,9 @@ class DecodeStack {
 #pragma omp barrier
           // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
           input.prepare(*layer.gate_up, xn, seqs, kernel);
-          const auto range = share(inter / kPanel, tid, threads);
-          const int64_t c0 = range.first * kPanel, c1 = range.second * kPanel;
+          const int64_t unit = layer.gate_up->unit();
+          const auto range = share(inter / unit, tid, threads);
+          const int64_t c0 = range.first * unit, c1 = range.second * unit;
           columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);
           columns(input, *layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
           for (int64_t r = 0; r < seqs; ++r)
@@ -329,6 +367,7 @@ class DecodeStack {
 #pragma omp barrier
         }
         norm_rows(tid, threads, final_norm_, false);
+        if (kernel == Bf16Kernel::kBrgemm) vnni_release();
       }
       return normed;
     }

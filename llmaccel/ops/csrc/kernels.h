@@ -91,6 +91,20 @@ void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int
                        int64_t ldy, int64_t n0, int64_t n1);
 bool bf16_gemm_compiled();
 
+// bfloat16 weights packed for AMX (linear_vnni.cpp): blocks of 32 output columns, each [K / 2, 32, 2].
+// Columns [c0, c1) of y (float32 sums rounded to bfloat16, rows `ldy` apart) for m rows of bfloat16
+// bits xb (rows `ldx` apart); c0 a multiple of 32. `vnni_stream_columns` streams the blocks (few rows, AVX512-BF16),
+// `vnni_brgemm_columns` runs oneDNN's brgemm micro-kernel (AMX tiles) on them: a thread that ran it
+// calls vnni_release() before it leaves its parallel region. vnni_compiled(): both are usable here.
+constexpr int64_t kVnniBlock = 32;
+void vnni_stream_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k, const uint16_t* packed,
+                         c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
+void vnni_brgemm_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k, const uint16_t* packed,
+                         c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
+void vnni_release();
+bool vnni_compiled();
+void check_vnni(const at::Tensor& packed, int64_t n);
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.x) << 16;

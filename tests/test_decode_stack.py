@@ -10,7 +10,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from llmaccel import LLM
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
-from llmaccel.ops.kernel_choice import FORCE_ENV, candidates
+from llmaccel.ops.kernel_choice import FORCE_ENV, QUANT_FORCE_ENV, candidates
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import _common
 
@@ -77,7 +77,8 @@ def test_bfloat16_steps_of_few_rows_take_the_stack_to_the_bit(tiny_model_dirs, n
     model = llm.engine.runner.model
     stack = model.decode_stack
     assert stack.dtype == torch.bfloat16
-    assert stack.bf16_choice is (model.layers[0].qkv.bf16_choice if quantization is None else None)
+    first = model.layers[0].qkv
+    assert stack.choice is (first.bf16_choice if quantization is None else first.batch_choice)
     _stack_against_layers(llm, _prompts()[:2], tokens=24)
 
 
@@ -99,7 +100,21 @@ def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_
     monkeypatch.setenv(FORCE_ENV, kernel)
     llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", enable_prefix_caching=False)
     model = llm.engine.runner.model
-    assert model.decode_stack.bf16_choice.kernel(3) == kernel == model.layers[1].mlp.down.bf16_choice.kernel(3)
+    assert model.decode_stack.choice.kernel(3) == kernel == model.layers[1].mlp.down.bf16_choice.kernel(3)
+    _stack_against_layers(llm, _prompts(), tokens=24)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_bfloat16_batches_take_the_stack_to_the_bit_on_amx(tiny_model_dirs, name, quantization,
+                                                                      monkeypatch):
+    """INT8/INT4 weights dequantized a block at a time for AMX tiles: the stack and the layer path alike."""
+    if "brgemm" not in candidates():
+        pytest.skip("no AMX kernels on this CPU")
+    monkeypatch.setenv(QUANT_FORCE_ENV, "dequant_brgemm")
+    llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.decode_stack.choice.kernel(3) == "dequant_brgemm" == model.layers[1].mlp.down.batch_choice.kernel(3)
     _stack_against_layers(llm, _prompts(), tokens=24)
 
 
@@ -127,6 +142,6 @@ def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs
         step(tables=table + 9)
     with pytest.raises(RuntimeError, match="one K and one V pool a layer"):
         step(k_pools=pools[:1])
-    with pytest.raises(RuntimeError, match="unknown bfloat16 kernel 'fastest' \\(stream, gemm, onednn, vnni_stream or"):
+    with pytest.raises(RuntimeError, match="unknown bfloat16 kernel 'fastest' \\(stream, gemm, onednn, vnni_stream, "):
         step(kernel="fastest")
     step()  # and the same step, well formed, runs

@@ -169,7 +169,7 @@ def test_a_bfloat16_model_runs_its_tuned_choice_in_every_projection(tiny_model_d
     assert layers is not kernel_choice.DEFAULT_CHOICE
     assert all(m.bf16_choice is layers for layer in model.layers
                for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
-    assert model.decode_stack.bf16_choice is layers
+    assert model.decode_stack.choice is layers
     assert model.lm_head.bf16_choice is not kernel_choice.DEFAULT_CHOICE
     o = model.layers[0].o
     weight = o.vnni if layers.layout == "vnni" else o.weight  # the one copy, in the choice's layout
@@ -191,3 +191,57 @@ def test_a_model_whose_weights_are_packed_holds_one_copy_and_reads_its_table_fro
     ids = torch.tensor([0, 1, 31, 32, 33, reference.spec.vocab_size - 1])
     assert torch.equal(plain.embedding.rows(ids), reference.embedding.rows(ids))
     assert plain.layers[0].qkv.weight_bytes == reference.layers[0].qkv.weight_bytes  # 128 columns: no padding
+
+
+def _quantized_module(kind: str, n: int, k: int, seed: int):
+    from llmaccel.ops.quant_linear import quantized_linear
+    from llmaccel.quantization.formats import Int8Weight, quantize
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if kind == "q8_0":  # a scale per 32 inputs, as GGUF's Q8_0 (held inside the blocks)
+        scale = w.view(n, k // 32, 32).abs().amax(-1) / 127
+        q = torch.round(w / scale.repeat_interleave(32, dim=1)).clamp(-127, 127).to(torch.int8)
+        weight = Int8Weight(q, scale, 32)
+    else:
+        weight = quantize(w, kind, 32 if kind == "int4" else None, "w")
+    return quantized_linear(weight, None, torch.device("cpu"))
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["int8", "q8_0", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 33, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (96, 576), (576, 1536)])
+def test_the_amx_kernel_for_quantized_weights_matches_float64(kind, rows, n, k):
+    from llmaccel.ops.quant_linear import AMX_KERNEL
+
+    module = _quantized_module(kind, n, k, rows + n)
+    assert module.streams and (kind == "int4" or (module.row_scale is not None) == (kind == "int8"))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    got = module.block_product(x, AMX_KERNEL)
+    weight = module.dequantized().double()
+    want = x.double() @ weight.T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # bf16 activations as they are; each weight exact (INT8 with a scale a row) or rounded once to bf16
+    # (2^-9 of it at most), the float32 sum rounded once to bf16 (2^-9 of it)
+    bound = 2**-9 * (x.double().abs() @ weight.abs().T) + 2**-9 * want.abs() + 1e-6 * k
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+@needs_packed
+def test_the_quantized_timing_is_cached_and_names_its_kernels(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(kernel_choice.QUANT_FORCE_ENV, raising=False)
+    layers = [_quantized_module("int8", 96, 64, 1), _quantized_module("int8", 64, 128, 2)]
+    head = _quantized_module("int4", 80, 64, 3)
+    with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
+        choice, head_choice = kernel_choice.tune_quantized(layers, head)
+    assert "quantized kernels timed in" in caplog.text
+    assert {k for _, k in choice.buckets + head_choice.buckets} <= {"stream", "dequant_brgemm"}
+    assert [r for r, _ in choice.buckets] == list(kernel_choice.LAYER_BUCKETS)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
+        assert kernel_choice.tune_quantized(layers, head) == (choice, head_choice)
+    assert "quantized kernels (cached" in caplog.text
+    monkeypatch.setenv(kernel_choice.QUANT_FORCE_ENV, "onednn")
+    with pytest.raises(ValueError, match=r"\$LLMACCEL_QUANT_KERNEL='onednn' is not a kernel for quantized weights"):
+        kernel_choice.tune_quantized(layers, head)

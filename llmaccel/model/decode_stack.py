@@ -50,13 +50,14 @@ def stack_linear(kernels, module: nn.Module):
 
 class DecodeStack:
     """The C++ stack holding a model's layers (`stack`); it takes decode-only steps in the model's dtype.
-    Plain bfloat16 weights run the kernel `bf16_choice` names for the step's rows (the layers' own
-    choice, ops/kernel_choice.py): the streaming kernel or the AVX512-BF16 GEMM inside the stack's one
-    parallel region, or oneDNN GEMMs between its phases; weights packed for AMX stream or run oneDNN's
-    brgemm inside the region. None: no plain bf16 weights, always in the region."""
+    The kernel `choice` names for the step's rows runs the projections (the layers' own choice,
+    ops/kernel_choice.py). Plain bfloat16 weights: the streaming kernel or the AVX512-BF16 GEMM inside
+    the stack's one parallel region, or oneDNN GEMMs between its phases; weights packed for AMX stream or
+    run oneDNN's brgemm inside the region; INT8/INT4 weights in a bfloat16 model stream or are dequantized
+    for brgemm. None: always the streaming kernels."""
 
-    def __init__(self, stack, dtype: torch.dtype, bf16_choice: Bf16Choice | None) -> None:
-        self.stack, self.dtype, self.bf16_choice = stack, dtype, bf16_choice
+    def __init__(self, stack, dtype: torch.dtype, choice: Bf16Choice | None) -> None:
+        self.stack, self.dtype, self.choice = stack, dtype, choice
 
     def decode(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -65,7 +66,7 @@ class DecodeStack:
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype:
             return None
         hidden = model.embedding.rows(input_ids).to(self.dtype)
-        kernel = "stream" if self.bf16_choice is None else self.bf16_choice.kernel(rows)
+        kernel = "stream" if self.choice is None else self.choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
                                   meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first)
@@ -98,6 +99,11 @@ def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])
             return None
-    # every layer's plain bf16 projections share the layers' kernel choice (model/llama.choose_bf16_kernels)
-    plain_bf16 = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.is_bf16), None)
-    return DecodeStack(stack, dtype, plain_bf16)
+    # every layer's bf16 projections share the layers' kernel choice (model/llama.choose_bf16_kernels), and
+    # so do its INT8/INT4 ones where every projection has one (choose_quantized_kernels)
+    choice = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.is_bf16), None)
+    quantized = [getattr(m, "batch_choice", None) for layer in model.layers
+                 for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    if choice is None and quantized[0] is not None and all(c is quantized[0] for c in quantized):
+        choice = quantized[0]
+    return DecodeStack(stack, dtype, choice)

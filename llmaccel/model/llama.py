@@ -15,7 +15,7 @@ from llmaccel.model.decode_stack import build_decode_stack
 from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
-from llmaccel.ops.kernel_choice import tune_bf16
+from llmaccel.ops.kernel_choice import tune_bf16, tune_quantized
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
 
@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel)
         if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
             choose_bf16_kernels(self)
+            choose_quantized_kernels(self)
         # decode-only steps in one C++ call where the weights allow (model/decode_stack.py); None: layer by layer
         self.decode_stack = build_decode_stack(self) if device.type == "cpu" and use_kernel is not False else None
 
@@ -180,3 +181,27 @@ def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
                 m.set_bf16_choice(layers_choice)
     if head is not None:
         head.set_bf16_choice(head_choice)
+
+
+def _in_blocks(module: nn.Module) -> bool:
+    return isinstance(module, Int8Linear | Int4Linear) and module.streams
+
+
+def choose_quantized_kernels(model: LlamaForCausalLM) -> None:
+    """In a bfloat16 model, times the streaming and the AMX kernel on the INT8/INT4 projections in
+    llmaccel's blocks (or reads the cached timing) and gives each such module its batch choice: the
+    layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py)."""
+    first = model.layers[0]
+    modules = [first.qkv, first.o, first.mlp.gate_up, first.mlp.down]
+    layers = modules if all(_in_blocks(m) for m in modules) else []
+    head = model.lm_head if _in_blocks(model.lm_head) else None
+    if not layers and head is None:
+        return
+    layers_choice, head_choice = tune_quantized(layers, head)
+    if layers_choice is not None:
+        for layer in model.layers:
+            for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
+                if _in_blocks(m):
+                    m.batch_choice = layers_choice
+    if head is not None:
+        head.batch_choice = head_choice

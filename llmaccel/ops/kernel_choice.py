@@ -40,6 +40,7 @@ from llmaccel.platform import cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
 FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # one kernel at every row count, in its layout (tests, A/B runs)
+QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: stream or dequant_brgemm
 LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
 HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
 STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads every row in float32)
@@ -131,7 +132,18 @@ class _Weight:
         return run_bf16(kernel, x, self._packed, self.plain.shape[0])
 
 
-def _median_seconds(kernel: str, x: torch.Tensor, weight: _Weight) -> float:
+class _QuantizedWeight:
+    """An INT8/INT4 module in llmaccel's blocks, run by the streaming or the AMX kernel; `plain` is its
+    weight in float32 (the reference, and the shapes)."""
+
+    def __init__(self, module) -> None:
+        self.module, self.plain = module, module.dequantized()
+
+    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        return self.module.block_product(x, kernel)
+
+
+def _median_seconds(kernel: str, x: torch.Tensor, weight: _Weight | _QuantizedWeight) -> float:
     weight.run(kernel, x)  # warm: oneDNN builds its primitive, caches fill
     repeats = 5 if x.shape[0] * weight.plain.numel() < 64 * 4_000_000 else 3
     times = []
@@ -142,9 +154,9 @@ def _median_seconds(kernel: str, x: torch.Tensor, weight: _Weight) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _check(kernel: str, weight: torch.Tensor | _Weight) -> str | None:
+def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> str | None:
     """None if the kernel matches float64 at a few and at many rows, else what it got wrong."""
-    weight = weight if isinstance(weight, _Weight) else _Weight(weight)
+    weight = weight if isinstance(weight, _Weight | _QuantizedWeight) else _Weight(weight)
     generator = torch.Generator().manual_seed(0)
     for rows in (3, 37):
         x = torch.randn(rows, weight.plain.shape[1], generator=generator).to(torch.bfloat16)
@@ -156,14 +168,15 @@ def _check(kernel: str, weight: torch.Tensor | _Weight) -> str | None:
     return None
 
 
-def _fastest(weights: list[_Weight], buckets: tuple[int, ...], kernels: tuple[str, ...],
-             timings: dict) -> Bf16Choice:
-    """The layout, and in it the kernel with the least total time over `weights` at each bucket."""
+def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], timings: dict,
+             few_rows_only: tuple[str, ...] = ("stream", "vnni_stream")) -> Bf16Choice:
+    """The layout, and in it the kernel with the least total time over `weights` at each bucket (the
+    `few_rows_only` kernels are not timed past STREAM_MAX_ROWS)."""
     best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": []}
     for rows in buckets:
         xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
         totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
-                  for kernel in kernels if kernel not in ("stream", "vnni_stream") or rows <= STREAM_MAX_ROWS}
+                  for kernel in kernels if kernel not in few_rows_only or rows <= STREAM_MAX_ROWS}
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         for layout, names in (("plain", [k for k in totals if k not in PACKED_KERNELS]),
                               ("vnni", [k for k in totals if k in PACKED_KERNELS])):
@@ -179,12 +192,89 @@ def _fastest(weights: list[_Weight], buckets: tuple[int, ...], kernels: tuple[st
     return Bf16Choice(tuple((rows, kernel) for rows, kernel, _ in best[layout]), layout)
 
 
-def _cache_path(layer_weights: list[torch.Tensor], head: torch.Tensor | None) -> Path:
+def _cache_path(layer_weights: list[torch.Tensor], head: torch.Tensor | None, kind: str = "bf16") -> Path:
+    """Where a timing is cached: per machine, torch, kernel build, weight kind and shapes."""
     kernels = load_cpu_kernels()
     shapes = [tuple(w.shape) for w in layer_weights] + ([tuple(head.shape)] if head is not None else [])
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
                       getattr(kernels, "__name__", ""), shapes, LAYER_BUCKETS, "layouts"])
-    return default_cache_dir() / "kernel_choice" / f"bf16-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read_cached(path: Path) -> tuple[Bf16Choice | None, Bf16Choice | None] | None:
+    try:
+        saved = json.loads(path.read_text())
+        layers = (Bf16Choice(tuple((int(r), k) for r, k in saved["layers"]), saved["layers_layout"])
+                  if saved["layers"] else None)
+        head = (Bf16Choice(tuple((int(r), k) for r, k in saved["lm_head"]), saved["lm_head_layout"])
+                if saved["lm_head"] else None)
+        return layers, head
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(path: Path, layers: Bf16Choice | None, head: Bf16Choice | None, seconds: float,
+                 timings: dict) -> None:
+    record = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(seconds, 2),
+              "layers": [list(b) for b in layers.buckets] if layers else None,
+              "layers_layout": layers.layout if layers else None,
+              "lm_head": [list(b) for b in head.buckets] if head else None,
+              "lm_head_layout": head.layout if head else None,
+              "microseconds": timings}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the kernel choice at %s (%s)", path, exc)
+
+
+def _describe(choice: Bf16Choice | None) -> str:
+    return choice.describe() if choice else "-"
+
+
+def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Choice | None]:
+    """(the layers' choice, the LM head's) between the streaming kernel and the AMX one for INT8/INT4
+    modules in llmaccel's blocks in a bfloat16 model (a layer's projections, or none; the head or None):
+    from the cache, or timed now. (None, None) where this machine has no AMX kernel."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not hasattr(kernels, "vnni_available") or not kernels.vnni_available():
+        return None, None
+    from llmaccel.ops.quant_linear import AMX_KERNEL
+
+    forced = os.environ.get(QUANT_FORCE_ENV)
+    if forced:
+        if forced not in ("stream", AMX_KERNEL):
+            raise ValueError(f"${QUANT_FORCE_ENV}={forced!r} is not a kernel for quantized weights: "
+                             f"stream, {AMX_KERNEL}")
+        choice = Bf16Choice(((1 << 30, forced),))
+        return choice if layer_modules else None, choice if head is not None else None
+    modules = layer_modules + ([head] if head is not None else [])
+    kinds = [f"{type(m).__name__}:{getattr(m, 'row_scale', None) is not None}" for m in modules]
+    path = _cache_path([torch.empty(m.out_features, m.in_features, device="meta") for m in layer_modules],
+                       torch.empty(head.out_features, head.in_features, device="meta") if head is not None else None,
+                       "quant-" + hashlib.sha256(",".join(kinds).encode()).hexdigest()[:8])
+    cached = _read_cached(path)
+    if cached is not None:
+        logger.info("quantized kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
+        return cached
+    start = time.perf_counter()
+    timings: dict = {"layers": {}, "lm_head": {}}
+    with torch.inference_mode():
+        weights = [_QuantizedWeight(m) for m in layer_modules]
+        head_weight = _QuantizedWeight(head) if head is not None else None
+        failed = next(filter(None, (_check(AMX_KERNEL, w) for w in weights + [head_weight] if w is not None)), None)
+        if failed:
+            logger.warning("quantized kernel %s; not used", failed)
+        usable = ("stream",) if failed else ("stream", AMX_KERNEL)
+        layers = _fastest(weights, LAYER_BUCKETS, usable, timings["layers"], ()) if weights else None
+        head_choice = _fastest([head_weight], HEAD_BUCKETS, usable, timings["lm_head"], ()) if head_weight else None
+    seconds = time.perf_counter() - start
+    logger.info("quantized kernels timed in %.1f s: layers %s; LM head %s", seconds, _describe(layers),
+                _describe(head_choice))
+    _write_cache(path, layers, head_choice, seconds, timings)
+    return layers, head_choice
 
 
 def tune_bf16(layer_weights: list[torch.Tensor],
@@ -195,17 +285,10 @@ def tune_bf16(layer_weights: list[torch.Tensor],
     if forced is not None:
         return forced if layer_weights else None, forced if head is not None else None
     path = _cache_path(layer_weights, head)
-    try:
-        saved = json.loads(path.read_text())
-        layers = (Bf16Choice(tuple((int(r), k) for r, k in saved["layers"]), saved["layers_layout"])
-                  if saved["layers"] else None)
-        head_choice = (Bf16Choice(tuple((int(r), k) for r, k in saved["lm_head"]), saved["lm_head_layout"])
-                       if saved["lm_head"] else None)
-        logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, layers.describe() if layers else "-",
-                    head_choice.describe() if head_choice else "-")
-        return layers, head_choice
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    cached = _read_cached(path)
+    if cached is not None:
+        logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
+        return cached
     start = time.perf_counter()
     timings: dict = {"layers": {}, "lm_head": {}}
     with torch.inference_mode():
@@ -225,19 +308,7 @@ def tune_bf16(layer_weights: list[torch.Tensor],
         layers = _fastest(weights, LAYER_BUCKETS, usable, timings["layers"]) if weights else None
         head_choice = _fastest([head_weight], HEAD_BUCKETS, usable, timings["lm_head"]) if head_weight else None
     seconds = time.perf_counter() - start
-    logger.info("bf16 kernels timed in %.1f s: layers %s; LM head %s", seconds, layers.describe() if layers else "-",
-                head_choice.describe() if head_choice else "-")
-    record = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(seconds, 2),
-              "layers": [list(b) for b in layers.buckets] if layers else None,
-              "layers_layout": layers.layout if layers else None,
-              "lm_head": [list(b) for b in head_choice.buckets] if head_choice else None,
-              "lm_head_layout": head_choice.layout if head_choice else None,
-              "microseconds": timings}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        logger.warning("could not cache the kernel choice at %s (%s)", path, exc)
+    logger.info("bf16 kernels timed in %.1f s: layers %s; LM head %s", seconds, _describe(layers),
+                _describe(head_choice))
+    _write_cache(path, layers, head_choice, seconds, timings)
     return layers, head_choice

@@ -6,7 +6,10 @@ torch's kernels from one row (INT8 2x, INT4 1.6-1.8x) to 512 (1.2-1.3x), and one
 size keeps a request's tokens independent of what it is batched with. Otherwise they call PyTorch's
 own weight-only kernels, `torch._weight_int8pack_mm` and, for INT4, `torch._weight_int4pack_mm_for_cpu` on the CPU or
 `torch._weight_int4pack_mm` (tinygemm) on CUDA.
-All want bfloat16 activations: the input is cast to bf16 around the call and the result back
+In a bfloat16 model on an AMX CPU, llmaccel's blocks are also read by an AMX kernel at batches
+(csrc/quant_amx.cpp: each block of 32 columns dequantized to bf16 for brgemm): `batch_choice` names the
+kernel per row count, timed at load (ops/kernel_choice.tune_quantized); None: the streaming kernel always.
+All of torch's want bfloat16 activations: the input is cast to bf16 around the call and the result back
 (measured on this CPU: fast with bf16, ~20x slower with float32). Each kernel is checked once per
 device type against a dequantized reference; where one is missing or fails, the fallback dequantizes
 on the fly and multiplies in the activation dtype. Either way the weights stay packed in memory.
@@ -23,6 +26,36 @@ from torch import nn
 
 from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
+
+AMX_KERNEL = "dequant_brgemm"  # the name kernel_choice and the decode stack give csrc/quant_amx.cpp
+
+
+class _BlockKernels:
+    """What Int8Linear and Int4Linear share where llmaccel's blocks hold the weight: the streaming kernel,
+    the AMX kernel where `batch_choice` picks it, and the weight as float32 for checks."""
+
+    batch_choice = None  # a kernel_choice.Bf16Choice over ("stream", AMX_KERNEL), or None: always streaming
+
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_product(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        """x W^T without the bias: float32 sums by the streaming kernel, bfloat16 by the AMX one (used for
+        2-D bfloat16 x where `kernel`, or else the batch choice for x's rows, names it)."""
+        if kernel is None:
+            choice = self.batch_choice
+            kernel = choice.kernel(x.shape[0]) if choice is not None and x.dim() == 2 else "stream"
+        if kernel == AMX_KERNEL and x.dim() == 2 and x.dtype == torch.bfloat16:
+            return self._amx(x)
+        return self._stream(x)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] in float32, read through the streaming kernel (an identity's rows quantize
+        exactly, so this is the weight the kernel multiplies)."""
+        return self._stream(torch.eye(self.in_features)).t().contiguous()
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +116,7 @@ def _kernel_device(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_BlockKernels, nn.Module):
     """INT8 weights, per output channel or grouped (GGUF Q8_0). The same matrix also serves as a
     quantized embedding table: `rows(ids)` dequantizes only the rows a lookup reads, so a tied
     embedding and LM head share one INT8 copy."""
@@ -134,17 +167,23 @@ class Int8Linear(nn.Module):
         q = self.q_groups[:, ids].float() * self.scale[ids].t()[..., None]  # [K / G, T, G]
         return q.permute(1, 0, 2).reshape(len(ids), self.in_features)
 
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features)
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemv.quant_linear_amx(x, self.blocks, self.row_scale, self.out_features, False)
+
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) in float32: the streaming kernel's float32 sums as they come (for logits, where
         rounding them to bfloat16 first costs a pass over the vocabulary and only makes ties)."""
         if not self.streams:
             return self(x).float()
-        out = self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features)
+        out = self.block_product(x).float()
         return out if self.bias is None else out + self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.streams:
-            out = self._gemv.gemv_i8(x, self.blocks, self.row_scale, self.out_features).to(x.dtype)
+            out = self.block_product(x).to(x.dtype)
         elif self.group_size is not None:
             out = self._grouped(x)
         elif self.use_kernel:
@@ -166,7 +205,7 @@ class Int8Linear(nn.Module):
         return out.to(x.dtype)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_BlockKernels, nn.Module):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, device: torch.device,
                  use_kernel: bool | None = None) -> None:
         super().__init__()
@@ -202,16 +241,26 @@ class Int4Linear(nn.Module):
             return self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias
         return self.weight.nbytes + bias
 
+    @property
+    def streams(self) -> bool:
+        return self._gemv is not None
+
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemv.gemv_i4(x, self.blocks, self.out_features)
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemv.quant_linear_amx(x, self.blocks, None, self.out_features, True)
+
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) in float32, as Int8Linear.float_forward."""
         if self._gemv is None:
             return self(x).float()
-        out = self._gemv.gemv_i4(x, self.blocks, self.out_features)
+        out = self.block_product(x).float()
         return out if self.bias is None else out + self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv is not None:
-            out = self._gemv.gemv_i4(x, self.blocks, self.out_features).to(x.dtype)
+            out = self.block_product(x).to(x.dtype)
         elif self.use_kernel:
             out = int4_matmul(x, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         else:

@@ -26,6 +26,8 @@ bool gemm_bf16_available();
 torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel);
 bool vnni_available();
+torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale,
+                               int64_t n, bool int4);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
@@ -56,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_vnni", &linear_vnni, "x @ w.T for bfloat16 weights packed by pack_vnni: vnni_stream or brgemm",
         nogil);
   m.def("vnni_available", &vnni_available, "whether the packed bfloat16 kernels (AMX brgemm) run here", nogil);
+  m.def("quant_linear_amx", &quant_linear_amx,
+        "x @ w.T for bfloat16 x and INT8/INT4 weights in gemv's blocks, dequantized to bf16 for AMX tiles", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given", nogil);
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);

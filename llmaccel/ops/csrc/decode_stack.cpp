@@ -33,8 +33,17 @@ struct StackLinear {
   int64_t n = 0, k = 0;
 
   bool quantized() const { return kind == kInt8 || kind == kInt4; }
-  // the columns a thread's share is counted in: a packed block of 32, else a panel (or group) of 16
-  int64_t unit() const { return kind == kBf16Vnni ? kVnniBlock : kPanel; }
+  // the weights as the AMX kernel for quantized weights reads them (quant_amx.cpp)
+  QuantizedWeight quantized_weight() const {
+    QuantizedWeight w;
+    w.blocks = weight.data_ptr<uint8_t>();
+    w.row_scale = scale.defined() ? scale.data_ptr<float>() : nullptr;
+    w.block_stride = weight.size(2);
+    w.k = k;
+    w.n = n;
+    w.int4 = kind == kInt4;
+    return w;
+  }
 
   // Output columns [c0, c1) of x W^T in float32 for m rows (no bias); x's rows quantized in `a` when
   // the weights are integers, and as bfloat16 bits in `xb` when they are bfloat16 values (else null).
@@ -117,9 +126,19 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
 // parallel region, by the streaming kernel (few rows) or the AVX512-BF16 GEMM, or each by oneDNN
 // between the region's phases. Packed (VNNI) weights: inside the region, streamed (few rows) or by
 // oneDNN's brgemm micro-kernel (AMX). ops/kernel_choice.py times them and picks per row count.
-enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm };
+// INT8/INT4 weights stream (kStream) or, in a bfloat16 stack, are dequantized a block at a time for
+// brgemm (kDequantBrgemm, quant_amx.cpp).
+enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm, kDequantBrgemm };
 
 bool reads_packed(Bf16Kernel kernel) { return kernel == Bf16Kernel::kVnniStream || kernel == Bf16Kernel::kBrgemm; }
+bool uses_amx(Bf16Kernel kernel) { return kernel == Bf16Kernel::kBrgemm || kernel == Bf16Kernel::kDequantBrgemm; }
+
+// The columns a thread's share of a projection is counted in: a block of 32 where the kernel works in
+// AMX blocks, else a panel (or group) of 16.
+int64_t share_unit(const StackLinear& w, Bf16Kernel kernel) {
+  const bool blocks = w.kind == StackLinear::kBf16Vnni || (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm);
+  return blocks ? kVnniBlock : kPanel;
+}
 
 Bf16Kernel parse_bf16_kernel(const std::string& name) {
   if (name == "stream") return Bf16Kernel::kStream;
@@ -127,11 +146,13 @@ Bf16Kernel parse_bf16_kernel(const std::string& name) {
     TORCH_CHECK(bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
     return Bf16Kernel::kGemm;
   }
-  if (name == "vnni_stream" || name == "brgemm") {
-    TORCH_CHECK(vnni_compiled(), "the packed bfloat16 kernels are not available on this CPU");
-    return name == "brgemm" ? Bf16Kernel::kBrgemm : Bf16Kernel::kVnniStream;
+  if (name == "vnni_stream" || name == "brgemm" || name == "dequant_brgemm") {
+    TORCH_CHECK(vnni_compiled(), "the AMX kernels are not available on this CPU");
+    return name == "brgemm" ? Bf16Kernel::kBrgemm
+                            : name == "vnni_stream" ? Bf16Kernel::kVnniStream : Bf16Kernel::kDequantBrgemm;
   }
-  TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name, "' (stream, gemm, onednn, vnni_stream or brgemm)");
+  TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name,
+              "' (stream, gemm, onednn, vnni_stream, brgemm or dequant_brgemm)");
   return Bf16Kernel::kOneDnn;
 }
 
@@ -148,7 +169,8 @@ struct ProjectionInput {
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
-      if (w.kind == StackLinear::kBf16Vnni) {  // both packed kernels read the rows as they are
+      if (w.kind == StackLinear::kBf16Vnni || (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm)) {
+        // the packed kernels and the dequantizing one read the rows as they are
         bits = reinterpret_cast<const uint16_t*>(x);
         return;
       }
@@ -185,7 +207,8 @@ class DecodeStack {
     TORCH_CHECK(gate_up->k == hidden_ && gate_up->n % (2 * kPanel) == 0, "gate_up must map hidden to 2 x I, I % 16 == 0");
     TORCH_CHECK(down->k == gate_up->n / 2 && down->n == hidden_, "down must map I to hidden");
     TORCH_CHECK(layers_.empty() || gate_up->n == layers_.front().gate_up->n, "every layer must have one width");
-    TORCH_CHECK(gate_up->n % (2 * gate_up->unit()) == 0, "gate_up's halves must be whole blocks of ", gate_up->unit());
+    const int64_t unit = gate_up->kind == StackLinear::kBf16Vnni ? kVnniBlock : kPanel;
+    TORCH_CHECK(gate_up->n % (2 * unit) == 0, "gate_up's halves must be whole blocks of ", unit);
     for (const auto* w : {&qkv, &o, &gate_up, &down}) {
       TORCH_CHECK(!(*w)->bias.defined() || (*w)->bias.scalar_type() == dtype_, "biases must have the stack's dtype");
       TORCH_CHECK((*w)->kind != StackLinear::kBf16Vnni || dtype_ == torch::kBFloat16,
@@ -213,6 +236,15 @@ class DecodeStack {
                         (w->kind != StackLinear::kBf16 || !reads_packed(kernel)),
                     "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
                     w->kind == StackLinear::kBf16Vnni ? "packed" : "plain", " weights");
+    if (kernel == Bf16Kernel::kDequantBrgemm) {
+      TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_brgemm' runs bfloat16 stacks only");
+      for (const auto& layer : layers_) {
+        for (const auto* w : {layer.qkv.get(), layer.o.get(), layer.gate_up.get(), layer.down.get()})
+          TORCH_CHECK(w->quantized(), "kernel 'dequant_brgemm' reads INT8 and INT4 weights only");
+        TORCH_CHECK(layer.gate_up->n % (2 * kVnniBlock) == 0, "kernel 'dequant_brgemm' needs gate_up halves of whole "
+                    "blocks of 32");
+      }
+    }
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
                         Bf16Kernel::kStream, kv_first);
@@ -271,6 +303,9 @@ class DecodeStack {
         if constexpr (std::is_same_v<T, at::BFloat16>)
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
+      } else if (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm) {
+        if constexpr (std::is_same_v<T, at::BFloat16>)  // (checked: a bfloat16 stack)
+          dequant_brgemm_columns(w.quantized_weight(), input.bits, w.k, seqs, y, ldy, c0, c1);
       } else if (w.kind == StackLinear::kBf16Vnni) {
         if constexpr (std::is_same_v<T, at::BFloat16>) {  // (a float32 stack takes no packed weights)
           const auto* packed = reinterpret_cast<const uint16_t*>(w.weight.data_ptr<at::BFloat16>());
@@ -294,7 +329,7 @@ class DecodeStack {
     };
     auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y) {
       input.prepare(w, x, seqs, kernel);
-      const int64_t unit = w.unit();
+      const int64_t unit = share_unit(w, kernel);
       const auto range = share((w.n + unit - 1) / unit, tid, threads);
       columns(input, w, y, w.n, range.first * unit, std::min(w.n, range.second * unit));
     };
@@ -355,7 +390,7 @@ class DecodeStack {
 #pragma omp barrier
           // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
           input.prepare(*layer.gate_up, xn, seqs, kernel);
-          const int64_t unit = layer.gate_up->unit();
+          const int64_t unit = share_unit(*layer.gate_up, kernel);
           const auto range = share(inter / unit, tid, threads);
           const int64_t c0 = range.first * unit, c1 = range.second * unit;
           columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);
@@ -367,7 +402,7 @@ class DecodeStack {
 #pragma omp barrier
         }
         norm_rows(tid, threads, final_norm_, false);
-        if (kernel == Bf16Kernel::kBrgemm) vnni_release();
+        if (uses_amx(kernel)) vnni_release();
       }
       return normed;
     }

@@ -105,6 +105,20 @@ void vnni_release();
 bool vnni_compiled();
 void check_vnni(const at::Tensor& packed, int64_t n);
 
+// INT8 or INT4 weights in the streaming kernels' blocks (gemv.cpp, gemv_int4.cpp), as quant_amx.cpp
+// reads them: columns [c0, c1) of y = x W^T for m rows of bfloat16 bits xb, rounded to bfloat16, each
+// block of 32 columns dequantized to bf16 pairs and multiplied by brgemm (c0 a multiple of 32; the
+// thread calls vnni_release() before it leaves its parallel region).
+struct QuantizedWeight {
+  const uint8_t* blocks = nullptr;
+  const float* row_scale = nullptr;  // INT8 with a scale per row; null: scales inside the blocks
+  int64_t block_stride = 0;          // INT8: 512 or 576 bytes
+  int64_t k = 0, n = 0;
+  bool int4 = false;
+};
+void dequant_brgemm_columns(const QuantizedWeight& w, const uint16_t* xb, int64_t ldx, int64_t m,
+                            c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.x) << 16;

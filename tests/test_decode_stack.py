@@ -118,6 +118,32 @@ def test_quantized_bfloat16_batches_take_the_stack_to_the_bit_on_amx(tiny_model_
     _stack_against_layers(llm, _prompts(), tokens=24)
 
 
+def test_a_kernel_that_does_not_read_the_stacks_weights_is_refused_by_name(tiny_model_dirs, monkeypatch):
+    if "brgemm" not in candidates():
+        pytest.skip("no AMX kernels on this CPU")
+    monkeypatch.setenv(FORCE_ENV, "brgemm")
+    packed = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16").engine.runner.model
+    monkeypatch.setenv(FORCE_ENV, "stream")
+    plain = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="bfloat16").engine.runner.model
+    spec = plain.spec
+    pools = [torch.zeros(64, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16)] * spec.num_layers
+    hidden = torch.zeros(1, spec.hidden_size, dtype=torch.bfloat16)
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def step(model, kernel):
+        model.decode_stack.stack.forward(hidden, torch.zeros(1, dtype=torch.long), model.rotary.cos, model.rotary.sin,
+                                         pools, pools, torch.tensor([0]), table, lens, 16, kernel, False)
+
+    with pytest.raises(RuntimeError, match="bfloat16 kernel 'stream' does not read this stack's packed weights"):
+        step(packed, "stream")
+    with pytest.raises(RuntimeError, match="bfloat16 kernel 'brgemm' does not read this stack's plain weights"):
+        step(plain, "brgemm")
+    with pytest.raises(RuntimeError, match="kernel 'dequant_brgemm' reads INT8 and INT4 weights only"):
+        step(plain, "dequant_brgemm")
+    step(packed, "brgemm")
+    step(plain, "stream")  # and each with its own kind, well formed, runs
+
+
 def test_a_step_the_stack_cannot_read_is_refused_with_the_reason(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["llama-gqa"]), dtype="float32")
     model = llm.engine.runner.model

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> st
 
 
 def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], timings: dict,
-             few_rows_only: tuple[str, ...] = ("stream", "vnni_stream")) -> Bf16Choice:
+             few_rows_only: tuple[str, ...]) -> Bf16Choice:
     """The layout, and in it the kernel with the least total time over `weights` at each bucket (the
     `few_rows_only` kernels are not timed past STREAM_MAX_ROWS)."""
     best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": []}
@@ -192,10 +193,9 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
     return Bf16Choice(tuple((rows, kernel) for rows, kernel, _ in best[layout]), layout)
 
 
-def _cache_path(layer_weights: list[torch.Tensor], head: torch.Tensor | None, kind: str = "bf16") -> Path:
+def _cache_path(shapes: list[tuple[int, ...]], kind: str) -> Path:
     """Where a timing is cached: per machine, torch, kernel build, weight kind and shapes."""
     kernels = load_cpu_kernels()
-    shapes = [tuple(w.shape) for w in layer_weights] + ([tuple(head.shape)] if head is not None else [])
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
                       getattr(kernels, "__name__", ""), shapes, LAYER_BUCKETS, "layouts"])
     return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -234,6 +234,29 @@ def _describe(choice: Bf16Choice | None) -> str:
     return choice.describe() if choice else "-"
 
 
+def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, object | None]],
+                     usable: Callable[[list], tuple[str, ...]],
+                     few_rows_only: tuple[str, ...]) -> tuple[Bf16Choice | None, Bf16Choice | None]:
+    """(the layers' choice, the LM head's) from the cache at `path`, or timed now and cached: `wrap` gives
+    the weights to time (each with `plain` and `run`), `usable` the kernels that passed their checks."""
+    cached = _read_cached(path)
+    if cached is not None:
+        logger.info("%s kernels (cached, %s): layers %s; LM head %s", what, path, *map(_describe, cached))
+        return cached
+    start = time.perf_counter()
+    timings: dict = {"layers": {}, "lm_head": {}}
+    with torch.inference_mode():
+        weights, head = wrap()
+        kernels = usable(weights + ([head] if head is not None else []))
+        layers = _fastest(weights, LAYER_BUCKETS, kernels, timings["layers"], few_rows_only) if weights else None
+        head_choice = _fastest([head], HEAD_BUCKETS, kernels, timings["lm_head"], few_rows_only) if head else None
+    seconds = time.perf_counter() - start
+    logger.info("%s kernels timed in %.1f s: layers %s; LM head %s", what, seconds, _describe(layers),
+                _describe(head_choice))
+    _write_cache(path, layers, head_choice, seconds, timings)
+    return layers, head_choice
+
+
 def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Choice | None]:
     """(the layers' choice, the LM head's) between the streaming kernel and the AMX one for INT8/INT4
     modules in llmaccel's blocks in a bfloat16 model (a layer's projections, or none; the head or None):
@@ -252,29 +275,18 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
         return choice if layer_modules else None, choice if head is not None else None
     modules = layer_modules + ([head] if head is not None else [])
     kinds = [f"{type(m).__name__}:{getattr(m, 'row_scale', None) is not None}" for m in modules]
-    path = _cache_path([torch.empty(m.out_features, m.in_features, device="meta") for m in layer_modules],
-                       torch.empty(head.out_features, head.in_features, device="meta") if head is not None else None,
+    path = _cache_path([(m.out_features, m.in_features) for m in modules],
                        "quant-" + hashlib.sha256(",".join(kinds).encode()).hexdigest()[:8])
-    cached = _read_cached(path)
-    if cached is not None:
-        logger.info("quantized kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
-        return cached
-    start = time.perf_counter()
-    timings: dict = {"layers": {}, "lm_head": {}}
-    with torch.inference_mode():
-        weights = [_QuantizedWeight(m) for m in layer_modules]
-        head_weight = _QuantizedWeight(head) if head is not None else None
-        failed = next(filter(None, (_check(AMX_KERNEL, w) for w in weights + [head_weight] if w is not None)), None)
+
+    def usable(weights: list[_QuantizedWeight]) -> tuple[str, ...]:
+        failed = next(filter(None, (_check(AMX_KERNEL, w) for w in weights)), None)
         if failed:
             logger.warning("quantized kernel %s; not used", failed)
-        usable = ("stream",) if failed else ("stream", AMX_KERNEL)
-        layers = _fastest(weights, LAYER_BUCKETS, usable, timings["layers"], ()) if weights else None
-        head_choice = _fastest([head_weight], HEAD_BUCKETS, usable, timings["lm_head"], ()) if head_weight else None
-    seconds = time.perf_counter() - start
-    logger.info("quantized kernels timed in %.1f s: layers %s; LM head %s", seconds, _describe(layers),
-                _describe(head_choice))
-    _write_cache(path, layers, head_choice, seconds, timings)
-    return layers, head_choice
+        return ("stream",) if failed else ("stream", AMX_KERNEL)
+
+    return _cached_or_timed("quantized", path, lambda: ([_QuantizedWeight(m) for m in layer_modules],
+                                                         _QuantizedWeight(head) if head is not None else None),
+                            usable, ())
 
 
 def tune_bf16(layer_weights: list[torch.Tensor],
@@ -284,31 +296,20 @@ def tune_bf16(layer_weights: list[torch.Tensor],
     forced = forced_choice()
     if forced is not None:
         return forced if layer_weights else None, forced if head is not None else None
-    path = _cache_path(layer_weights, head)
-    cached = _read_cached(path)
-    if cached is not None:
-        logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
-        return cached
-    start = time.perf_counter()
-    timings: dict = {"layers": {}, "lm_head": {}}
-    with torch.inference_mode():
-        weights = [_Weight(w) for w in layer_weights]
-        head_weight = _Weight(head) if head is not None else None
-        everything = weights + ([head_weight] if head_weight is not None else [])
-        usable = []
+    path = _cache_path([tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])], "bf16")
+
+    def usable(weights: list[_Weight]) -> tuple[str, ...]:
+        kernels = []
         for kernel in candidates():
-            if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in everything):
+            if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in weights):
                 continue
-            failed = next(filter(None, (_check(kernel, w) for w in everything)), None)
+            failed = next(filter(None, (_check(kernel, w) for w in weights)), None)
             if failed:
                 logger.warning("bf16 kernel %s; not used", failed)
             else:
-                usable.append(kernel)
-        usable = tuple(usable) or ("onednn",)
-        layers = _fastest(weights, LAYER_BUCKETS, usable, timings["layers"]) if weights else None
-        head_choice = _fastest([head_weight], HEAD_BUCKETS, usable, timings["lm_head"]) if head_weight else None
-    seconds = time.perf_counter() - start
-    logger.info("bf16 kernels timed in %.1f s: layers %s; LM head %s", seconds, _describe(layers),
-                _describe(head_choice))
-    _write_cache(path, layers, head_choice, seconds, timings)
-    return layers, head_choice
+                kernels.append(kernel)
+        return tuple(kernels) or ("onednn",)
+
+    return _cached_or_timed("bf16", path, lambda: ([_Weight(w) for w in layer_weights],
+                                                    _Weight(head) if head is not None else None),
+                            usable, ("stream", "vnni_stream"))

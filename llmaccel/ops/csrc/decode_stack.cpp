@@ -215,6 +215,11 @@ class DecodeStack {
                   "packed bfloat16 weights need a bfloat16 stack");
     }
     check_norm(input_norm);
+    for (const auto* w : {&qkv, &o, &gate_up, &down}) {  // what forward checks each step's kernel against
+      has_plain_bf16_ |= (*w)->kind == StackLinear::kBf16;
+      has_packed_ |= (*w)->kind == StackLinear::kBf16Vnni;
+      all_quantized_ &= (*w)->quantized();
+    }
     check_norm(post_norm);
     layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window});
   }
@@ -230,20 +235,14 @@ class DecodeStack {
                         const std::string& bf16_kernel, bool kv_first) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
     const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
-    for (const auto& layer : layers_)
-      for (const auto* w : {layer.qkv.get(), layer.o.get(), layer.gate_up.get(), layer.down.get()})
-        TORCH_CHECK((w->kind != StackLinear::kBf16Vnni || reads_packed(kernel)) &&
-                        (w->kind != StackLinear::kBf16 || !reads_packed(kernel)),
-                    "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
-                    w->kind == StackLinear::kBf16Vnni ? "packed" : "plain", " weights");
+    TORCH_CHECK(!(has_packed_ && !reads_packed(kernel)) && !(has_plain_bf16_ && reads_packed(kernel)),
+                "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
+                reads_packed(kernel) ? "plain" : "packed", " weights");
     if (kernel == Bf16Kernel::kDequantBrgemm) {
       TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_brgemm' runs bfloat16 stacks only");
-      for (const auto& layer : layers_) {
-        for (const auto* w : {layer.qkv.get(), layer.o.get(), layer.gate_up.get(), layer.down.get()})
-          TORCH_CHECK(w->quantized(), "kernel 'dequant_brgemm' reads INT8 and INT4 weights only");
-        TORCH_CHECK(layer.gate_up->n % (2 * kVnniBlock) == 0, "kernel 'dequant_brgemm' needs gate_up halves of whole "
-                    "blocks of 32");
-      }
+      TORCH_CHECK(all_quantized_, "kernel 'dequant_brgemm' reads INT8 and INT4 weights only");
+      TORCH_CHECK(layers_.front().gate_up->n % (2 * kVnniBlock) == 0,  // (every layer has one width)
+                  "kernel 'dequant_brgemm' needs gate_up halves of whole blocks of 32");
     }
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
@@ -510,6 +509,7 @@ class DecodeStack {
   torch::ScalarType dtype_;
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
+  bool has_plain_bf16_ = false, has_packed_ = false, all_quantized_ = true;  // over every layer's projections
 };
 
 void bind_decode_stack(pybind11::module& m) {

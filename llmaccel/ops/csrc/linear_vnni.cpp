@@ -6,8 +6,8 @@
 // sits between every phase. AMX tiles multiply 16 x 32 bf16 by 32 x 16 in one instruction, but they
 // read B in this pair layout only, so the weights are packed once at load. Two kernels read it:
 // - `brgemm`: torch's wrapper of oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm,
-//   the AMX tile kernel SGLang's CPU backend and inductor's templates call), a 32 x 32 output tile at a
-//   time from inside the caller's own threads;
+//   the AMX tile kernel SGLang's CPU backend and inductor's templates call), a block of 32 columns by up
+//   to 128 rows a call, from inside the caller's own threads;
 // - `vnni_stream`: for a few rows, the same blocks streamed with vdpbf16ps (each 64-byte line of a block
 //   holds 16 columns' pairs for one pair of inputs, so one broadcast of the row's pair feeds 32 products):
 //   bound by the weights' read, as the plain-layout streaming kernel is.
@@ -32,6 +32,15 @@ namespace {
 inline void store_rounded(bf16* out, __m512 sums, int64_t count) {
   const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+// store_rounded of the sums times the outputs' own scales (16 of them from `scale`), or as they are.
+inline void store_scaled(bf16* out, __m512 sums, const float* scale, int64_t count) {
+  if (scale != nullptr) {
+    const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+    sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, scale));
+  }
+  store_rounded(out, sums, count);
 }
 
 // Columns [c, c + width) (width <= 32, one block) of G rows i0.. against the block `b` [K / 2, 32, 2].
@@ -94,32 +103,36 @@ LLMACCEL_ONE_COPY void vnni_stream_columns(const uint16_t* xb, int64_t ldx, int6
   }
 }
 
+// Up to 128 rows a brgemm call (the micro-kernel walks them 32 at a time against a block's B tiles; a
+// call of 32 rows cost 1.3x as much at 64 rows, measured on a 2-core Xeon). The float32 sums land in a
+// tile-sized buffer and are rounded into y from L1 (a sums array of the whole output rounded afterwards
+// made the LM head at 256 rows 3.8x slower: 50 MB more traffic).
+void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* block, int64_t k,
+                 int64_t width, const float* scale, bf16* y, int64_t ldy, int64_t c) {
+  constexpr int64_t kCallRows = 128;
+  alignas(64) float sums[kCallRows * kVnniBlock];
+  const auto* a = reinterpret_cast<const at::BFloat16*>(xb);
+  const auto* b = reinterpret_cast<const at::BFloat16*>(block);
+  for (int64_t i = r0; i < r1; i += kCallRows) {
+    const int64_t rows = std::min(kCallRows, r1 - i);
+    at::native::cpublas::brgemm(rows, width, k, ldx, kVnniBlock, kVnniBlock, false, a + i * ldx, b, sums);
+    for (int64_t r = 0; r < rows; ++r) {
+      bf16* out = y + (i + r) * ldy + c;
+      store_scaled(out, _mm512_loadu_ps(sums + r * kVnniBlock), scale, std::min<int64_t>(width, 16));
+      if (width > 16)
+        store_scaled(out + 16, _mm512_loadu_ps(sums + r * kVnniBlock + 16), scale ? scale + 16 : nullptr,
+                     width - 16);
+    }
+  }
+}
+
 LLMACCEL_ONE_COPY void vnni_brgemm_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k,
                                            const uint16_t* packed, bf16* y, int64_t ldy, int64_t c0, int64_t c1) {
-  const auto* a = reinterpret_cast<const at::BFloat16*>(xb);
-  const auto* w = reinterpret_cast<const at::BFloat16*>(packed);
-  // Up to 128 rows a call (the micro-kernel walks them 32 at a time against a block's B tiles; a call
-  // of 32 rows cost 1.3x as much at 64 rows, measured on a 2-core Xeon), in chunks of 256 rows that
-  // every block passes while they sit in L2 (at 1,024 rows, 0.77x the time of one pass over all rows).
-  // The float32 sums land in a tile-sized buffer and are rounded into y from L1 (a sums array of the
-  // whole output rounded afterwards made the LM head at 256 rows 3.8x slower: 50 MB more traffic).
-  constexpr int64_t kCallRows = 128, kChunkRows = 256;
-  alignas(64) float sums[kCallRows * kVnniBlock];
-  for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
-    const int64_t r1 = std::min(m, r0 + kChunkRows);
-    for (int64_t c = c0; c < c1; c += kVnniBlock) {
-      const at::BFloat16* b = w + c / kVnniBlock * (k * kVnniBlock);
-      const int64_t width = std::min<int64_t>(kVnniBlock, c1 - c);
-      for (int64_t i = r0; i < r1; i += kCallRows) {
-        const int64_t rows = std::min(kCallRows, r1 - i);
-        at::native::cpublas::brgemm(rows, width, k, ldx, kVnniBlock, kVnniBlock, false, a + i * ldx, b, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          bf16* out = y + (i + r) * ldy + c;
-          store_rounded(out, _mm512_loadu_ps(sums + r * kVnniBlock), std::min<int64_t>(width, 16));
-          if (width > 16) store_rounded(out + 16, _mm512_loadu_ps(sums + r * kVnniBlock + 16), width - 16);
-        }
-      }
-    }
+  for (int64_t r0 = 0; r0 < m; r0 += kBrgemmChunkRows) {
+    const int64_t r1 = std::min(m, r0 + kBrgemmChunkRows);
+    for (int64_t c = c0; c < c1; c += kVnniBlock)
+      brgemm_rows(xb, ldx, r0, r1, packed + c / kVnniBlock * (k * kVnniBlock), k, std::min<int64_t>(kVnniBlock, c1 - c),
+                  nullptr, y, ldy, c);
   }
 }
 
@@ -135,6 +148,11 @@ void vnni_stream_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint1
 
 void vnni_brgemm_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, bf16*, int64_t, int64_t,
                          int64_t) {
+  TORCH_CHECK(false, "the packed bfloat16 kernels need AVX512-BF16");
+}
+
+void brgemm_rows(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*, bf16*,
+                 int64_t, int64_t) {
   TORCH_CHECK(false, "the packed bfloat16 kernels need AVX512-BF16");
 }
 

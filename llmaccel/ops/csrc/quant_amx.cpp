@@ -94,15 +94,6 @@ void unpack_int4_group(const uint8_t* group, int64_t nb, uint32_t* out, int h) {
   }
 }
 
-inline void store_scaled(bf16* out, __m512 sums, const float* row_scale, int64_t count) {
-  if (row_scale != nullptr) {
-    const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
-    sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, row_scale));
-  }
-  const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
-  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
-}
-
 }  // namespace
 
 LLMACCEL_ONE_COPY void dequant_brgemm_columns(const QuantizedWeight& w, const uint16_t* xb, int64_t ldx, int64_t m,
@@ -110,12 +101,9 @@ LLMACCEL_ONE_COPY void dequant_brgemm_columns(const QuantizedWeight& w, const ui
   const int64_t nb = w.k / kBlock, groups = (w.n + 15) / 16, pairs = w.k / 2;
   thread_local std::vector<uint32_t> packed;
   packed.resize(pairs * kVnniBlock);
-  const auto* a = reinterpret_cast<const at::BFloat16*>(xb);
-  const auto* b = reinterpret_cast<const at::BFloat16*>(packed.data());
-  constexpr int64_t kCallRows = 128, kChunkRows = 256;  // as vnni_brgemm_columns
-  alignas(64) float sums[kCallRows * kVnniBlock];
-  for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
-    const int64_t r1 = std::min(m, r0 + kChunkRows);
+  const auto* block = reinterpret_cast<const uint16_t*>(packed.data());
+  for (int64_t r0 = 0; r0 < m; r0 += kBrgemmChunkRows) {  // each chunk's blocks dequantized anew
+    const int64_t r1 = std::min(m, r0 + kBrgemmChunkRows);
     for (int64_t c = c0; c < c1; c += kVnniBlock) {
       const int64_t g0 = c / 16, width = std::min<int64_t>(kVnniBlock, c1 - c);
       for (int h = 0; h < 2; ++h) {
@@ -129,18 +117,7 @@ LLMACCEL_ONE_COPY void dequant_brgemm_columns(const QuantizedWeight& w, const ui
           unpack_int8_group(w.blocks + (g0 + h) * nb * w.block_stride, nb, w.block_stride, w.row_scale == nullptr,
                             packed.data(), h);
       }
-      const float* scale = w.row_scale == nullptr ? nullptr : w.row_scale + c;
-      for (int64_t i = r0; i < r1; i += kCallRows) {
-        const int64_t rows = std::min(kCallRows, r1 - i);
-        at::native::cpublas::brgemm(rows, width, w.k, ldx, kVnniBlock, kVnniBlock, false, a + i * ldx, b, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          bf16* out = y + (i + r) * ldy + c;
-          store_scaled(out, _mm512_loadu_ps(sums + r * kVnniBlock), scale, std::min<int64_t>(width, 16));
-          if (width > 16)
-            store_scaled(out + 16, _mm512_loadu_ps(sums + r * kVnniBlock + 16), scale ? scale + 16 : nullptr,
-                         width - 16);
-        }
-      }
+      brgemm_rows(xb, ldx, r0, r1, block, w.k, width, w.row_scale == nullptr ? nullptr : w.row_scale + c, y, ldy, c);
     }
   }
 }

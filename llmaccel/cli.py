@@ -57,6 +57,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-max-batch", type=int, metavar="B",
                       help="speculate only while at most B requests run (default: decided per batch size by the "
                            "tokens/s measured with and without drafts while serving)")
+    spec.add_argument("--speculative-draft-vocab", type=int, metavar="N",
+                      help="cut the draft model's LM head to its N most frequent tokens (counted in the draft's "
+                           "token_counts.json, which `llmaccel distill` writes, else in the built-in corpora): a "
+                           "draft pass then reads N rows of the head instead of the whole vocabulary's")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -73,7 +77,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["max_model_len"] = args.max_model_len
     options.update(speculative_model=args.speculative_model, speculative_method=args.speculative_method,
                    num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
-                   prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch)
+                   prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch,
+                   speculative_draft_vocab=args.speculative_draft_vocab)
     return options
 
 

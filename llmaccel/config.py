@@ -131,6 +131,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ... and the shortest
     speculative_max_batch: int | None = None  # speculate only while at most this many requests run;
     # None: measured while serving (spec/policy.py)
+    speculative_draft_vocab: int | None = None  # the draft model's LM head cut to this many frequent tokens
+    # (spec/draft_vocab.py); None: its whole vocabulary
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, "draft", "ngram"):
@@ -148,6 +150,12 @@ class SpeculativeConfig:
                              f"and {self.prompt_lookup_max}")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.speculative_draft_vocab is not None:
+            if self.method != "draft":
+                raise ValueError("--speculative-draft-vocab cuts a draft model's LM head; it needs "
+                                 "--speculative-model")
+            if self.speculative_draft_vocab < 1:
+                raise ValueError(f"speculative_draft_vocab must be >= 1, got {self.speculative_draft_vocab}")
 
     @property
     def method(self) -> str | None:

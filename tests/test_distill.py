@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from llmaccel import LLM
 from llmaccel.distill.student import influential_layers, make_student, spaced_layers
@@ -138,15 +138,27 @@ def test_training_brings_the_student_closer_to_its_teacher(tmp_path, teacher_dir
     assert after["kl_per_token"] < 0.8 * before["kl_per_token"]
 
 
-def test_the_chat_corpus_is_the_teachers_answers(tmp_path, teacher_dir):
+def test_the_chat_corpora_are_the_teachers_answers_sampled_and_greedy(tmp_path, teacher_dir):
     out = tmp_path / "s"
-    distill(DistillConfig(out=out, teacher=str(teacher_dir), student_layers=2, corpora=("chat",), minutes=None,
-                          max_steps=1, batch_size=2, seq_len=16, eval_windows=1, chat_prompts=6, chat_max_tokens=24,
-                          progress=False))
-    answers = [json.loads(line) for line in (out / "distill-state" / "chat-corpus.jsonl").read_text().splitlines()]
-    assert len(answers) == 6 and all(a["prompt"] and isinstance(a["answer"], str) for a in answers)
-    text = (out / "distill-state" / "chat-corpus.txt").read_text()
-    assert text.count("<|im_start|>assistant") == 6
+    distill(DistillConfig(out=out, teacher=str(teacher_dir), student_layers=2, corpora=("chat", "chat-greedy"),
+                          minutes=None, max_steps=1, batch_size=2, seq_len=16, eval_windows=1, chat_prompts=6,
+                          chat_max_tokens=24, progress=False))
+    for name in ("chat", "chat-greedy"):
+        lines = (out / "distill-state" / f"{name}-corpus.jsonl").read_text().splitlines()
+        answers = [json.loads(line) for line in lines]
+        assert len(answers) == 6 and all(a["prompt"] and isinstance(a["answer"], str) for a in answers)
+        text = (out / "distill-state" / f"{name}-corpus.txt").read_text()
+        assert text.count("<|im_start|>assistant") == 6
+    greedy = LLM(str(teacher_dir)).chat([[{"role": "user", "content": a["prompt"]}] for a in answers],
+                                        SamplingParams(temperature=0, max_tokens=24))
+    assert [a["answer"] for a in answers] == [g.outputs[0].text for g in greedy]
+    # the training text's token counts, for a draft head cut to the frequent tokens
+    counts = json.loads((out / "token_counts.json").read_text())
+    assert counts["sources"] == ["chat", "chat-greedy"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    train = [tokenizer((out / "distill-state" / f"{n}-corpus.txt").read_text(), add_special_tokens=False)["input_ids"]
+             for n in ("chat", "chat-greedy")]
+    assert sum(counts["counts"].values()) == sum(int(len(ids) * (1 - 0.05)) for ids in train)
 
 
 @pytest.mark.parametrize("overrides, message", [

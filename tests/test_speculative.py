@@ -4,6 +4,8 @@ the engine's output, which must stay the target's own (greedy: HF's token ids; s
 from __future__ import annotations
 
 import json
+import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.spec.draft_vocab import frequent_tokens, write_token_counts
 from llmaccel.spec.ngram import propose_ngram
 from llmaccel.spec.policy import SpeculationPolicy
 from llmaccel.spec.verify import accepted_greedy, accepted_sampled
@@ -305,6 +308,47 @@ def test_sampled_tokens_follow_the_targets_distribution(case):
     assert _chi_square_p({argmax: trials}, second, trials) < 1e-3  # the test can tell a wrong law
 
 
+# ---- a draft head cut to the frequent tokens ------------------------------------------------------
+def test_the_draft_vocabulary_is_the_most_counted_tokens_and_the_special_ones(tmp_path, tiny_tokenizer):
+    specials = sorted(set(tiny_tokenizer.all_special_ids))
+    common, rare = [t for t in range(100, 110) if t not in specials][:2], 120
+    write_token_counts(tmp_path, [torch.tensor([common[0]] * 5 + [common[1]] * 3), torch.tensor([rare])], ["a", "b"])
+    assert frequent_tokens(tmp_path, tiny_tokenizer, len(specials) + 2, 400).tolist() == sorted([*specials, *common])
+    assert frequent_tokens(tmp_path, tiny_tokenizer, len(specials) + 3, 400).tolist() == sorted(
+        [*specials, *common, rare])
+    # more than were ever counted: the rest in id order
+    assert frequent_tokens(tmp_path, tiny_tokenizer, len(specials) + 4, 400).tolist() == sorted(
+        {*specials, *common, rare, min(set(range(400)) - {*specials, *common, rare})})
+    for size in (0, 401):
+        with pytest.raises(ValueError, match=f"between 1 and the vocabulary's 400 tokens, got {size}"):
+            frequent_tokens(tmp_path, tiny_tokenizer, size, 400)
+
+
+def test_a_cut_draft_head_keeps_the_output_and_misses_only_tokens_outside_it(case, tmp_path, tiny_tokenizer):
+    target, _, prompts, expected = case
+    draft = tmp_path / "draft"
+    shutil.copytree(target, draft)
+    written = sorted({t for out in expected for t in out})
+    specials = set(tiny_tokenizer.all_special_ids)
+    write_token_counts(draft, [torch.tensor(written)], ["the expected outputs"])
+    size = len(specials | set(written))
+    llm = LLM(str(target), speculative_model=str(draft), speculative_draft_vocab=size, **ALWAYS)
+    assert llm.engine.drafter.vocabulary.token_ids.tolist() == sorted(specials | set(written))
+    assert _ids(llm.generate(prompts, GREEDY)) == expected
+    stats = llm.engine.speculation_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # itself, and every token it writes kept
+
+    counts = Counter(t for out in expected for t in out)
+    missing = counts.most_common(1)[0][0]  # the most written token, left out of the cut
+    write_token_counts(draft, [torch.tensor([t for t in written if t != missing])], ["all but one"])
+    llm = LLM(str(target), speculative_model=str(draft), speculative_draft_vocab=size - 1, **ALWAYS)
+    assert missing not in llm.engine.drafter.vocabulary.token_ids.tolist()
+    assert _ids(llm.generate(prompts, GREEDY)) == expected
+    stats = llm.engine.speculation_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
 # ---- bad settings are refused at start, by name ----------------------------------------------------
 def test_bad_speculative_settings_are_refused_naming_the_problem(case, tmp_path):
     target, _, _, _ = case
@@ -323,6 +367,10 @@ def test_bad_speculative_settings_are_refused_naming_the_problem(case, tmp_path)
         LLM(str(target), speculative_method="ngram", kv_window=64)
     with pytest.raises(ValueError, match="unknown speculative method"):
         LLM(str(target), speculative_method="medusa")
+    with pytest.raises(ValueError, match="--speculative-draft-vocab cuts a draft model's LM head; it needs"):
+        LLM(str(target), speculative_method="ngram", speculative_draft_vocab=100)
+    with pytest.raises(ValueError, match="between 1 and the vocabulary's 400 tokens, got 401"):
+        LLM(str(target), speculative_model=str(target), speculative_draft_vocab=401)
 
 
 # ---- the benchmark ----------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """Training text for distillation, as token windows.
 
-A corpus is a named one (`data/corpora.py`: enwiki, sanguo), a UTF-8 file, or `chat`: the
-teacher's own answers to the built-in chat prompts, generated once by llmaccel's engine and kept in
-the run's directory, rendered through the chat template as the served model will see them. Each corpus
+A corpus is a named one (`data/corpora.py`: enwiki, sanguo), a UTF-8 file, `chat`: the teacher's own
+answers to the built-in chat prompts sampled at temperature 0.7, or `chat-greedy`: its greedy answers to
+the same prompts, which is the text a draft model meets when the teacher decodes greedily (Medusa-2 and
+EAGLE train their drafts on the target's own generations for the same reason). The answers are
+generated once by llmaccel's engine and kept in the run's directory, rendered through the chat template
+as the served model will see them. Each corpus
 is tokenized whole; its last `heldout_share` of tokens is held out for evaluation. Training windows
 are drawn with a seeded generator (its state is saved with each checkpoint, so a resumed run draws what
 an uninterrupted one would), corpus by corpus in turn across a batch's rows.
@@ -19,7 +22,10 @@ import torch
 from llmaccel.data.corpora import NAMED_CORPORA, load_corpus
 
 CHAT = "chat"
-CORPUS_NAMES = (*NAMED_CORPORA, CHAT)
+CHAT_GREEDY = "chat-greedy"
+# the teacher's answers: corpus name -> sampling temperature
+CHAT_TEMPERATURES = {CHAT: 0.7, CHAT_GREEDY: 0.0}
+CORPUS_NAMES = (*NAMED_CORPORA, *CHAT_TEMPERATURES)
 
 
 @dataclass(frozen=True)
@@ -29,9 +35,11 @@ class TokenCorpus:
     heldout: torch.Tensor  # int64 [M]
 
 
-def chat_text(teacher_dir: Path, cache_file: Path, prompts: int, max_tokens: int, seed: int) -> str:
-    """The teacher's answers to the first `prompts` built-in chat prompts (sampled at temperature 0.7, one
-    seed per prompt), each conversation rendered through the chat template; generated once into cache_file."""
+def chat_text(teacher_dir: Path, cache_file: Path, prompts: int, max_tokens: int, seed: int,
+              temperature: float = 0.7) -> str:
+    """The teacher's answers to the first `prompts` built-in chat prompts (sampled at `temperature`, one
+    seed per prompt; greedy at 0), each conversation rendered through the chat template; generated once
+    into cache_file."""
     if cache_file.is_file():
         return cache_file.read_text(encoding="utf-8")
     from llmaccel.data.prompts import builtin_prompts
@@ -41,7 +49,7 @@ def chat_text(teacher_dir: Path, cache_file: Path, prompts: int, max_tokens: int
     chosen = builtin_prompts()[:prompts]
     llm = LLM(str(teacher_dir))
     conversations = [[{"role": "user", "content": p.prompt}] for p in chosen]
-    params = [SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed + i) for i in range(len(chosen))]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(chosen))]
     outputs = llm.chat(conversations, params, use_tqdm=True)
     tokenizer = llm.get_tokenizer()
     texts = [tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": out.outputs[0].text}],
@@ -56,7 +64,7 @@ def chat_text(teacher_dir: Path, cache_file: Path, prompts: int, max_tokens: int
 
 
 def check_corpus_names(names: list[str]) -> None:
-    """Every name a named corpus, `chat` or an existing file; a ValueError naming the first that is not."""
+    """Every name a named corpus, a chat corpus or an existing file; a ValueError naming the first that is not."""
     if not names:
         raise ValueError(f"give at least one --corpus: {', '.join(CORPUS_NAMES)} or a UTF-8 text file")
     for name in names:
@@ -71,8 +79,11 @@ def token_corpora(names: list[str], tokenizer, teacher_dir: Path, state_dir: Pat
     check_corpus_names(names)
     corpora = []
     for name in names:
-        text = (chat_text(teacher_dir, state_dir / "chat-corpus.txt", chat_prompts, chat_max_tokens, seed)
-                if name == CHAT else load_corpus(name))
+        if name in CHAT_TEMPERATURES:
+            text = chat_text(teacher_dir, state_dir / f"{name}-corpus.txt", chat_prompts, chat_max_tokens, seed,
+                             CHAT_TEMPERATURES[name])
+        else:
+            text = load_corpus(name)
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
         cut = int(len(ids) * (1 - heldout_share))
         if cut <= seq_len + 1 or len(ids) - cut <= seq_len + 1:

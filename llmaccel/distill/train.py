@@ -33,6 +33,7 @@ from llmaccel.config import DEFAULT_MODEL
 from llmaccel.distill.corpus import CORPUS_NAMES, check_corpus_names, token_corpora, training_batch
 from llmaccel.distill.evaluate import format_report, heldout_report
 from llmaccel.distill.student import LAYER_CHOICES, influential_layers, make_student, spaced_layers
+from llmaccel.spec.draft_vocab import write_token_counts
 
 DEFAULT_CORPORA = ("enwiki", "sanguo", "chat")
 # what a resumed run must share with the run that wrote the checkpoint
@@ -145,6 +146,8 @@ class Distiller:
         self.corpora = token_corpora(list(config.corpora), self.tokenizer, self.teacher_dir, self.state_dir,
                                      config.seq_len, chat_prompts=config.chat_prompts,
                                      chat_max_tokens=config.chat_max_tokens, seed=config.seed)
+        # what the student will write most, for a draft head cut to it (spec/draft_vocab.py)
+        write_token_counts(self.out, [c.train for c in self.corpora], [c.name for c in self.corpora])
         self.generator = torch.Generator().manual_seed(config.seed)
         if (self.checkpoint_dir / "train_state.pt").is_file():
             self._resume(AutoModelForCausalLM)
@@ -323,8 +326,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which teacher layers: spaced (every k-th, first and last kept) or influence (those "
                              "that change the hidden state most on the corpus, ShortGPT's block influence)")
     parser.add_argument("--corpus", action="append", dest="corpora",
-                        help=f"training text: {', '.join(CORPUS_NAMES)} (the teacher's answers to the built-in "
-                             f"chat prompts) or a UTF-8 file; repeatable (default: {', '.join(DEFAULT_CORPORA)})")
+                        help=f"training text: {', '.join(CORPUS_NAMES)} (chat: the teacher's answers to the built-in "
+                             "chat prompts sampled at temperature 0.7; chat-greedy: its greedy answers, the text a "
+                             "draft model meets) or a UTF-8 file; repeatable "
+                             f"(default: {', '.join(DEFAULT_CORPORA)})")
     parser.add_argument("--minutes", type=float, default=30.0,
                         help="training time budget over the whole run, resumed sessions included")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (also sets the schedule)")

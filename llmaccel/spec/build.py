@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -12,6 +13,7 @@ from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner
+from llmaccel.spec.draft_vocab import DraftVocabulary, cut_head, frequent_tokens
 from llmaccel.spec.drafters import Drafter, ModelDrafter, NgramDrafter
 from llmaccel.spec.policy import SpeculationPolicy
 
@@ -39,13 +41,29 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
     draft = LlamaForCausalLM(checkpoint.spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
                              use_kernel=use_kernel)
     del checkpoint
+    vocabulary = None
+    if config.speculative_draft_vocab is not None and config.speculative_draft_vocab < draft.spec.vocab_size:
+        ids = frequent_tokens(hf_dir_or_none(config.speculative_model), tokenizer, config.speculative_draft_vocab,
+                              draft.spec.vocab_size)
+        vocabulary = DraftVocabulary(ids, cut_head(draft.lm_head, ids))
+    elif config.speculative_draft_vocab is not None:
+        frequent_tokens(None, tokenizer, config.speculative_draft_vocab, draft.spec.vocab_size)  # the range check
     draft_bytes, target_bytes = weight_bytes(draft), weight_bytes(target)
     if draft_bytes >= target_bytes:
         logger.warning("the draft model's weights (%.0f MB) are not smaller than the model's (%.0f MB): "
                        "drafting will cost more than it saves", draft_bytes / 1e6, target_bytes / 1e6)
-    logger.info("speculative decoding: draft model %s (%d layers, %.0f MB), up to %d drafts a step",
-                config.speculative_model, draft.spec.num_layers, draft_bytes / 1e6, config.num_speculative_tokens)
-    return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device)), policy
+    head = ("its LM head" if vocabulary is None else
+            f"its LM head cut to {len(vocabulary.token_ids)} tokens, {vocabulary.weight_bytes / 1e6:.0f} MB")
+    logger.info("speculative decoding: draft model %s (%d layers, %.0f MB; %s), up to %d drafts a step",
+                config.speculative_model, draft.spec.num_layers, draft_bytes / 1e6, head,
+                config.num_speculative_tokens)
+    return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device), vocabulary), policy
+
+
+def hf_dir_or_none(name: str) -> Path | None:
+    """The draft's directory, where its token counts may lie (None for a GGUF file)."""
+    path = Path(name).expanduser()
+    return path if path.is_dir() else None
 
 
 def check_same_tokenizer(name: str, spec: ModelSpec, tokenizer, target_spec: ModelSpec, target_tokenizer,

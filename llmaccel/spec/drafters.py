@@ -7,7 +7,7 @@
   both. Its KV is caught up lazily, when a request next drafts: the tokens since it last drafted (one
   or two in steady decoding; the prompt, as a chunk, the first time). Draft KV that went stale (a
   cached block computed while speculation was off) costs acceptance only: the target decides every
-  token.
+  token. Given a DraftVocabulary, its argmax runs over the frequent tokens only (spec/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from llmaccel.engine.scheduler import ScheduledRequest
 from llmaccel.runner import ModelRunner, Span
+from llmaccel.spec.draft_vocab import DraftVocabulary
 from llmaccel.spec.ngram import propose_ngram
 
 # catch-up spans up to this long run as decode rows (the draft's C++ decode stack), longer as a chunk
@@ -55,8 +56,9 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, vocabulary: DraftVocabulary | None = None) -> None:
         self.runner = runner
+        self.vocabulary = vocabulary
         self._computed: dict[str, int] = {}  # request id -> positions whose draft KV is valid
         self.steady = True
 
@@ -98,6 +100,8 @@ class ModelDrafter:
             ends.append(offset - 1)
         if len(ends) < hidden.shape[0]:
             hidden = hidden[torch.tensor(ends, device=hidden.device)]
+        if self.vocabulary is not None:
+            return ordered, self.vocabulary.argmax(hidden)
         logits = self.runner.model.compute_logits(hidden)
         return ordered, logits[:, : self.runner.sampler.vocab_size].argmax(dim=-1).tolist()
 

@@ -14,7 +14,14 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from llmaccel import LLM
-from llmaccel.distill.student import influential_layers, make_student, spaced_layers
+from llmaccel.distill.student import (
+    attention_pattern_scores,
+    choose_copying_layers,
+    copying_layers,
+    influential_layers,
+    make_student,
+    spaced_layers,
+)
 from llmaccel.distill.train import DistillConfig, Distiller, distill
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import CORPUS, _common, hf_greedy
@@ -85,6 +92,29 @@ def test_influence_drops_a_layer_that_leaves_the_hidden_state_as_it_was(teacher_
     chosen, scores = influential_layers(teacher, windows, keep=3)
     assert scores[2] == pytest.approx(0.0, abs=1e-6)
     assert chosen == [0, 1, 3]
+
+
+def test_copy_keeps_the_induction_layer_the_previous_token_layer_before_it_the_ends_then_influence():
+    induction = [0.9, 0.1, 0.2, 0.8, 0.3, 0.1]  # layer 0's score never counts: an induction head reads an earlier one
+    previous = [0.1, 0.3, 0.7, 0.2, 0.9, 0.1]  # layer 4 is the strongest, but it comes after the induction layer
+    influence = [0.9, 0.5, 0.1, 0.2, 0.6, 0.3]
+    assert choose_copying_layers(induction, previous, influence, 2) == [2, 3]
+    assert choose_copying_layers(induction, previous, influence, 4) == [0, 2, 3, 5]
+    assert choose_copying_layers(induction, previous, influence, 5) == [0, 2, 3, 4, 5]  # then 4, by influence
+    assert choose_copying_layers([0.0], [0.0], [1.0], 1) == [0]
+
+
+def test_the_attention_scores_are_read_per_layer_and_the_attention_kernel_is_restored(teacher_dir):
+    teacher = LlamaForCausalLM.from_pretrained(teacher_dir).eval()
+    kernel = teacher.config._attn_implementation
+    induction, previous = attention_pattern_scores(teacher)
+    assert len(induction) == len(previous) == teacher.config.num_hidden_layers
+    assert all(0.0 <= x <= 1.0 for x in induction + previous)
+    assert teacher.config._attn_implementation == kernel
+    windows = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    chosen, influence, scores = copying_layers(teacher, windows, 2)
+    assert scores == {"induction": induction, "previous_token": previous}  # the same seeded sequence
+    assert chosen == choose_copying_layers(induction, previous, influence, 2)
 
 
 def test_the_student_is_a_model_llmaccel_serves_as_hf_runs_it(tmp_path, teacher_dir, corpus_file):

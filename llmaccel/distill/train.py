@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from llmaccel.config import DEFAULT_MODEL
 from llmaccel.distill.corpus import CORPUS_NAMES, check_corpus_names, token_corpora, training_batch
 from llmaccel.distill.evaluate import format_report, heldout_report
-from llmaccel.distill.student import LAYER_CHOICES, influential_layers, make_student, spaced_layers
+from llmaccel.distill.student import LAYER_CHOICES, copying_layers, influential_layers, make_student, spaced_layers
 from llmaccel.spec.draft_vocab import write_token_counts
 
 DEFAULT_CORPORA = ("enwiki", "sanguo", "chat")
@@ -93,6 +93,7 @@ class RunState:
     horizon: int | None = None  # steps the schedule spans when only --minutes bounds the run
     layers: list[int] = field(default_factory=list)
     influence: list[float] | None = None
+    attention_scores: dict | None = None  # --layer-choice copy: each layer's induction and previous-token score
     initial_report: dict | None = None
     log: list[dict] = field(default_factory=list)
 
@@ -161,8 +162,12 @@ class Distiller:
             self.state.layers = spaced_layers(teacher_layers, config.student_layers)
         else:  # on windows of its own generator, so the training draws do not depend on the choice
             probe = training_batch(self.corpora, 4, config.seq_len, torch.Generator().manual_seed(config.seed + 1))
-            self.state.layers, self.state.influence = influential_layers(self.teacher, probe[:, :-1],
-                                                                         config.student_layers)
+            if config.layer_choice == "copy":
+                self.state.layers, self.state.influence, self.state.attention_scores = copying_layers(
+                    self.teacher, probe[:, :-1], config.student_layers)
+            else:
+                self.state.layers, self.state.influence = influential_layers(self.teacher, probe[:, :-1],
+                                                                             config.student_layers)
         self.student = make_student(self.teacher, self.state.layers)
         self.optimizer = self._optimizer()
         self.state.initial_report = heldout_report(self.teacher, self.student, self.corpora, config.seq_len,
@@ -302,7 +307,8 @@ def distill(config: DistillConfig) -> dict:
     student_params = sum(p.numel() for p in run.student.parameters())
     summary = {
         "teacher": config.teacher, "teacher_dir": str(run.teacher_dir), "student_layers": state.layers,
-        "block_influence": state.influence, "teacher_parameters": teacher_params,
+        "block_influence": state.influence, "attention_scores": state.attention_scores,
+        "teacher_parameters": teacher_params,
         "student_parameters": student_params, "steps": state.step,
         "tokens": state.step * config.batch_size * config.seq_len, "training_minutes": round(state.seconds / 60, 2),
         "training_dtype": str(run.dtype).removeprefix("torch."), "machine": describe(),
@@ -323,8 +329,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teacher", default=DEFAULT_MODEL, help="teacher: model alias, GGUF file or HF directory")
     parser.add_argument("--student-layers", type=int, default=8, help="decoder layers the student keeps")
     parser.add_argument("--layer-choice", choices=LAYER_CHOICES, default="influence",
-                        help="which teacher layers: spaced (every k-th, first and last kept) or influence (those "
-                             "that change the hidden state most on the corpus, ShortGPT's block influence)")
+                        help="which teacher layers: spaced (every k-th, first and last kept), influence (those "
+                             "that change the hidden state most on the corpus, ShortGPT's block influence) or copy "
+                             "(the teacher's induction and previous-token layers, the first and last, the rest by "
+                             "influence: for a draft model, which must continue what the context repeats)")
     parser.add_argument("--corpus", action="append", dest="corpora",
                         help=f"training text: {', '.join(CORPUS_NAMES)} (chat: the teacher's answers to the built-in "
                              "chat prompts sampled at temperature 0.7; chat-greedy: its greedy answers, the text a "

@@ -245,3 +245,13 @@ def test_the_quantized_timing_is_cached_and_names_its_kernels(tmp_path, monkeypa
     monkeypatch.setenv(kernel_choice.QUANT_FORCE_ENV, "onednn")
     with pytest.raises(ValueError, match=r"\$LLMACCEL_QUANT_KERNEL='onednn' is not a kernel for quantized weights"):
         kernel_choice.tune_quantized(layers, head)
+
+
+def test_speculation_gives_up_to_one_plus_k_rows_the_one_row_kernel():
+    from llmaccel.ops.kernel_choice import Bf16Choice
+
+    tuned = Bf16Choice(((1, "vnni_stream"), (2, "brgemm"), (4, "brgemm"), (8, "vnni_stream"), (16, "brgemm")), "vnni")
+    assert tuned.lone_kernel_to(3).buckets == ((3, "vnni_stream"), (4, "brgemm"), (8, "vnni_stream"), (16, "brgemm"))
+    assert [tuned.lone_kernel_to(3).kernel(r) for r in (1, 3, 4, 5, 9, 100)] == [
+        "vnni_stream", "vnni_stream", "brgemm", "vnni_stream", "brgemm", "brgemm"]
+    assert tuned.lone_kernel_to(20).buckets == ((20, "vnni_stream"),)  # past the last bucket: the same kernel

@@ -15,7 +15,7 @@ from llmaccel.model.decode_stack import build_decode_stack
 from llmaccel.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
-from llmaccel.ops.kernel_choice import tune_bf16, tune_quantized
+from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
 
@@ -181,6 +181,18 @@ def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
                 m.set_bf16_choice(layers_choice)
     if head is not None:
         head.set_bf16_choice(head_choice)
+
+
+def unify_bf16_kernels(model: LlamaForCausalLM, rows: int) -> None:
+    """Every bf16 projection (and the decode stack) runs the one-row kernel from 1 to `rows` rows
+    (Bf16Choice.lone_kernel_to). Speculative decoding asks this for 1 + K rows: verifying a lone request's
+    drafts then rounds as decoding it without drafts does, whichever kernels the tuner chose."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.is_bf16:
+            module.set_bf16_choice(module.bf16_choice.lone_kernel_to(rows))
+    stack = model.decode_stack
+    if stack is not None and isinstance(stack.choice, Bf16Choice):
+        stack.choice = stack.choice.lone_kernel_to(rows)
 
 
 def _in_blocks(module: nn.Module) -> bool:

@@ -65,6 +65,13 @@ class Bf16Choice:
         limits = [limit for limit, _ in self.buckets]
         return self.buckets[min(bisect.bisect_left(limits, rows), len(self.buckets) - 1)][1]
 
+    def lone_kernel_to(self, rows: int) -> Bf16Choice:
+        """This choice with every row count up to `rows` run by the kernel one row gets. Kernels round
+        differently (each alone gives a row the same result at any row count), so a lone request's 1 + K
+        verification rows then compute what its single decode row computes without drafts."""
+        return Bf16Choice(((rows, self.kernel(1)), *((limit, k) for limit, k in self.buckets if limit > rows)),
+                          self.layout)
+
     def describe(self) -> str:
         runs: list[tuple[int, str]] = []
         for limit, kernel in self.buckets:

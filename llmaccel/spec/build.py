@@ -9,7 +9,7 @@ import torch
 
 from llmaccel.config import SpeculativeConfig
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.llama import LlamaForCausalLM
+from llmaccel.model.llama import LlamaForCausalLM, unify_bf16_kernels
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner
@@ -32,6 +32,7 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
         raise ValueError("speculative decoding does not run with a KV window or a sliding-window model yet; "
                          "drop --kv-window or the speculative options")
     policy = SpeculationPolicy(config.num_speculative_tokens, max_model_len, config.speculative_max_batch)
+    unify_bf16_kernels(target, config.num_speculative_tokens + 1)
     if method == "ngram":
         logger.info("speculative decoding: ngram prompt lookup (n %d..%d), up to %d drafts a step",
                     config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)

@@ -173,8 +173,10 @@ def choose_bf16_kernels(model: LlamaForCausalLM) -> None:
         head = None
     if not plain and head is None:
         return
+    every = [m.weight for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
+             if isinstance(m, Linear) and m.weight is not None] if plain else []
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
-                                           head.weight if head is not None else None)
+                                           head.weight if head is not None else None, every)
     if layers_choice is not None:
         for layer in model.layers:
             for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):

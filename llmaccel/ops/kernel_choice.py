@@ -15,8 +15,9 @@ at 64 rows; a 2-core Xeon with AMX: brgemm several times oneDNN from 4 rows up),
 output against float64, keeps each layout's fastest per bucket, then the layout that is faster over the
 buckets (the geometric mean of the per-bucket ratios). The layers' projections take one choice (the
 fastest in sum over qkv, o, gate_up and down), so the decode stack and the layer-by-layer path run the
-same kernel at the same rows and agree to the bit; the LM head takes its own. The result is cached per
-machine, torch, kernel build and shapes, so the next start reads it.
+same kernel at the same rows and agree to the bit; the LM head takes its own. Up to DECODE_ROWS rows
+the layers are timed over one pass through every layer's projections, as a decode step reads them. The
+result is cached per machine, torch, kernel build and shapes, so the next start reads it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: str
 LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
 HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
 STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads every row in float32)
+# Up to this many rows a decode step is bound by reading the weights, and which kernel reads fastest
+# depends on where they come from: these buckets are timed over every layer's projections in turn, as a
+# decode step reads them, not over one layer's, which stay in cache between repeats. On the AMX Xeon one
+# layer's timing picked vnni_stream for one row (13% ahead of brgemm in cache) while brgemm decoded the
+# lone request faster (69.6 against 65.8 tok/s), and the two kernels round differently.
+DECODE_ROWS = 2
 MAX_RELATIVE_ERROR = 2e-2  # bf16 outputs carry ~4e-3; a wrong kernel is off by far more
 PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout; the rest read plain
 
@@ -176,15 +183,33 @@ def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> st
     return None
 
 
+def _pass_seconds(kernel: str, rows: int, weights: list) -> float:
+    """The median time of one pass of `kernel` over every weight in turn, at `rows` rows (after a pass
+    that warms it up), as a decode step makes one."""
+    xs = {w.plain.shape[1]: torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights}
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        for w in weights:
+            w.run(kernel, xs[w.plain.shape[1]])
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[1]
+
+
 def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], timings: dict,
-             few_rows_only: tuple[str, ...]) -> Bf16Choice:
+             few_rows_only: tuple[str, ...], decode_weights: list | None = None) -> Bf16Choice:
     """The layout, and in it the kernel with the least total time over `weights` at each bucket (the
-    `few_rows_only` kernels are not timed past STREAM_MAX_ROWS)."""
+    `few_rows_only` kernels are not timed past STREAM_MAX_ROWS). With `decode_weights` (every layer's),
+    the buckets up to DECODE_ROWS are timed over a pass through all of them instead."""
     best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": []}
     for rows in buckets:
         xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
-        totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
-                  for kernel in kernels if kernel not in few_rows_only or rows <= STREAM_MAX_ROWS}
+        usable = [k for k in kernels if k not in few_rows_only or rows <= STREAM_MAX_ROWS]
+        if decode_weights and rows <= DECODE_ROWS:
+            totals = {kernel: _pass_seconds(kernel, rows, decode_weights) for kernel in usable}
+        else:
+            totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
+                      for kernel in usable}
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         for layout, names in (("plain", [k for k in totals if k not in PACKED_KERNELS]),
                               ("vnni", [k for k in totals if k in PACKED_KERNELS])):
@@ -241,11 +266,12 @@ def _describe(choice: Bf16Choice | None) -> str:
     return choice.describe() if choice else "-"
 
 
-def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, object | None]],
+def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, object | None, list | None]],
                      usable: Callable[[list], tuple[str, ...]],
                      few_rows_only: tuple[str, ...]) -> tuple[Bf16Choice | None, Bf16Choice | None]:
     """(the layers' choice, the LM head's) from the cache at `path`, or timed now and cached: `wrap` gives
-    the weights to time (each with `plain` and `run`), `usable` the kernels that passed their checks."""
+    the weights to time (each with `plain` and `run`; and every layer's, for the decode buckets, or None),
+    `usable` the kernels that passed their checks."""
     cached = _read_cached(path)
     if cached is not None:
         logger.info("%s kernels (cached, %s): layers %s; LM head %s", what, path, *map(_describe, cached))
@@ -253,9 +279,10 @@ def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, objec
     start = time.perf_counter()
     timings: dict = {"layers": {}, "lm_head": {}}
     with torch.inference_mode():
-        weights, head = wrap()
+        weights, head, decode_weights = wrap()
         kernels = usable(weights + ([head] if head is not None else []))
-        layers = _fastest(weights, LAYER_BUCKETS, kernels, timings["layers"], few_rows_only) if weights else None
+        layers = (_fastest(weights, LAYER_BUCKETS, kernels, timings["layers"], few_rows_only, decode_weights)
+                  if weights else None)
         head_choice = _fastest([head], HEAD_BUCKETS, kernels, timings["lm_head"], few_rows_only) if head else None
     seconds = time.perf_counter() - start
     logger.info("%s kernels timed in %.1f s: layers %s; LM head %s", what, seconds, _describe(layers),
@@ -292,18 +319,21 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
         return ("stream",) if failed else ("stream", AMX_KERNEL)
 
     return _cached_or_timed("quantized", path, lambda: ([_QuantizedWeight(m) for m in layer_modules],
-                                                         _QuantizedWeight(head) if head is not None else None),
+                                                         _QuantizedWeight(head) if head is not None else None,
+                                                         None),
                             usable, ())
 
 
-def tune_bf16(layer_weights: list[torch.Tensor],
-              head: torch.Tensor | None) -> tuple[Bf16Choice | None, Bf16Choice | None]:
+def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
+              model_weights: list[torch.Tensor] | None = None) -> tuple[Bf16Choice | None, Bf16Choice | None]:
     """(the layers' choice, the LM head's) for these bf16 weights (a layer's projections, or none; the
-    head or None): from the cache, or timed now."""
+    head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed."""
     forced = forced_choice()
     if forced is not None:
         return forced if layer_weights else None, forced if head is not None else None
-    path = _cache_path([tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])], "bf16")
+    shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
+    kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"
+    path = _cache_path(shapes, kind)
 
     def usable(weights: list[_Weight]) -> tuple[str, ...]:
         kernels = []
@@ -317,6 +347,9 @@ def tune_bf16(layer_weights: list[torch.Tensor],
                 kernels.append(kernel)
         return tuple(kernels) or ("onednn",)
 
-    return _cached_or_timed("bf16", path, lambda: ([_Weight(w) for w in layer_weights],
-                                                    _Weight(head) if head is not None else None),
-                            usable, ("stream", "vnni_stream"))
+    def wrap() -> tuple[list[_Weight], _Weight | None, list[_Weight] | None]:
+        mine = {id(w): _Weight(w) for w in layer_weights}  # the first layer's, timed once either way
+        every = [mine.get(id(w)) or _Weight(w) for w in model_weights] if model_weights else None
+        return list(mine.values()), _Weight(head) if head is not None else None, every
+
+    return _cached_or_timed("bf16", path, wrap, usable, ("stream", "vnni_stream"))

@@ -155,6 +155,26 @@ def test_the_timing_is_cached_per_machine_and_shapes(tmp_path, monkeypatch, capl
     assert len(list((tmp_path / "kernel_choice").glob("bf16-*.json"))) == 2
 
 
+def test_the_decode_buckets_are_timed_over_every_layers_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    first = [torch.randn(48, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)]
+    every = first + [torch.randn(48, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)]
+    passes = []
+
+    def one_pass(kernel, rows, weights):  # onednn reads a whole pass fastest; everything else is timed as it is
+        passes.append((rows, [tuple(w.plain.shape) for w in weights], weights[0].plain is first[0]))
+        return 1e-6 if kernel == "onednn" else 1.0
+
+    monkeypatch.setattr(kernel_choice, "_pass_seconds", one_pass)
+    layers, _ = tune_bf16(first, None, every)
+    assert {rows for rows, _, _ in passes} == {1, 2}
+    assert all(shapes == [(48, 32), (32, 48)] * 2 and same for _, shapes, same in passes)  # every layer, in order
+    # a millionth of a second a pass outweighs every other bucket: the plain layout, and onednn at 1-2 rows
+    assert layers.layout == "plain" and [layers.kernel(r) for r in (1, 2)] == ["onednn", "onednn"]
+    assert list((tmp_path / "kernel_choice").glob("bf16-decode4-*.json"))  # cached apart from one layer's timing
+
+
 def test_a_forced_kernel_this_cpu_lacks_is_named(monkeypatch):
     monkeypatch.setenv(FORCE_ENV, "amx-magic")
     with pytest.raises(ValueError, match=r"\$LLMACCEL_BF16_KERNEL='amx-magic' is not a kernel this machine has"):

@@ -160,6 +160,20 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_p
         distill(_config(resumed, teacher_dir, corpus_file, student_layers=3, max_steps=6))
 
 
+def test_a_minutes_budget_re_estimates_its_schedule_until_the_floor(tmp_path, teacher_dir, corpus_file):
+    run = Distiller(_config(tmp_path / "s", teacher_dir, corpus_file, max_steps=None, minutes=10.0))
+    for _ in range(3):
+        run.train_step()
+    state = run.state
+    assert state.horizon == max(4, int(600 / (state.seconds / 3)))  # from the first three steps' pace
+    state.seconds = 3 * 2.0  # as if they had taken 2 s each: 300 steps fit in 10 minutes
+    run.estimate_horizon()
+    assert state.horizon == 300
+    state.step, state.seconds = 300, 300 * 0.5  # at the floor: a faster pace no longer moves it
+    run.estimate_horizon()
+    assert state.horizon == 300
+
+
 def test_training_brings_the_student_closer_to_its_teacher(tmp_path, teacher_dir, corpus_file):
     summary = distill(_config(tmp_path / "s", teacher_dir, corpus_file, student_layers=1, max_steps=80,
                               kl_weight=1.0))

@@ -216,13 +216,25 @@ class Distiller:
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.seconds += time.perf_counter() - began
-        if state.horizon is None and config.max_steps is None and state.step == 3:  # the first steps set the pace
-            state.horizon = max(state.step + 1, int(config.minutes * 60 / (state.seconds / state.step)))
+        if state.horizon is None and state.step == 3:  # the first steps set the pace
+            self.estimate_horizon()
         entry = {"step": state.step, "tokens": state.step * config.batch_size * config.seq_len,
                  "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "lr": rate,
                  "seconds": round(state.seconds, 2)}
         state.log.append(entry)
         return entry
+
+    def estimate_horizon(self) -> None:
+        """With only --minutes to bound the run, the steps its schedule spans, at the pace so far: first
+        after three steps, then again at each checkpoint while the schedule is short of its floor (three
+        steps slowed by anything else on the machine made a 40-minute run's cosine end at step 313 of
+        497). A schedule at its floor stays there, a budget extended on resume included."""
+        config, state = self.config, self.state
+        if config.max_steps is not None or state.step < 3 or state.seconds <= 0:
+            return
+        if state.horizon is not None and state.step >= state.horizon:
+            return
+        state.horizon = max(state.step + 1, int(config.minutes * 60 / (state.seconds / state.step)))
 
     def save(self) -> None:
         """The student and the run state, swapped in whole; then the student exported to --out."""
@@ -292,6 +304,9 @@ def distill(config: DistillConfig) -> dict:
             bar.set_postfix(loss=f"{entry['loss']:.3f}", kl=f"{entry['kl']:.3f}", ce=f"{entry['ce']:.3f}",
                             tok_s=f"{entry['tokens'] / max(entry['seconds'], 1e-9):.0f}")
             if time.monotonic() - last_save >= config.checkpoint_minutes * 60:
+                run.estimate_horizon()
+                if bar.total and state.horizon is not None and state.horizon > state.step:
+                    bar.total = state.horizon
                 run.save()
                 last_save = time.monotonic()
     except KeyboardInterrupt:

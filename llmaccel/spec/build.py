@@ -13,7 +13,7 @@ from llmaccel.model.llama import LlamaForCausalLM, unify_bf16_kernels
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner
-from llmaccel.spec.draft_vocab import DraftVocabulary, cut_head, frequent_tokens
+from llmaccel.spec.draft_vocab import DraftVocabulary, check_draft_vocab_size, cut_head, frequent_tokens
 from llmaccel.spec.drafters import Drafter, ModelDrafter, NgramDrafter
 from llmaccel.spec.policy import SpeculationPolicy
 
@@ -42,13 +42,12 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
     draft = LlamaForCausalLM(checkpoint.spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
                              use_kernel=use_kernel)
     del checkpoint
-    vocabulary = None
-    if config.speculative_draft_vocab is not None and config.speculative_draft_vocab < draft.spec.vocab_size:
-        ids = frequent_tokens(hf_dir_or_none(config.speculative_model), tokenizer, config.speculative_draft_vocab,
-                              draft.spec.vocab_size)
+    vocabulary, size = None, config.speculative_draft_vocab
+    if size is not None:
+        check_draft_vocab_size(size, draft.spec.vocab_size)
+    if size is not None and size < draft.spec.vocab_size:  # the whole vocabulary: the head as it is
+        ids = frequent_tokens(hf_dir_or_none(config.speculative_model), tokenizer, size, draft.spec.vocab_size)
         vocabulary = DraftVocabulary(ids, cut_head(draft.lm_head, ids))
-    elif config.speculative_draft_vocab is not None:
-        frequent_tokens(None, tokenizer, config.speculative_draft_vocab, draft.spec.vocab_size)  # the range check
     draft_bytes, target_bytes = weight_bytes(draft), weight_bytes(target)
     if draft_bytes >= target_bytes:
         logger.warning("the draft model's weights (%.0f MB) are not smaller than the model's (%.0f MB): "

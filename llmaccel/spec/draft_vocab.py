@@ -70,13 +70,17 @@ def _counts(model_dir: Path | None, tokenizer) -> Counter[int]:
     return counts
 
 
+def check_draft_vocab_size(size: int, vocab_size: int) -> None:
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"--speculative-draft-vocab must be between 1 and the vocabulary's {vocab_size} "
+                         f"tokens, got {size}")
+
+
 def frequent_tokens(model_dir: Path | None, tokenizer, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent token ids, sorted by id; the tokenizer's special tokens always among them
     (an end-of-sequence the draft cannot propose would cost a verification at every answer's end).
     Fewer than `size` tokens were ever counted: the rest in id order."""
-    if not 1 <= size <= vocab_size:
-        raise ValueError(f"--speculative-draft-vocab must be between 1 and the vocabulary's {vocab_size} "
-                         f"tokens, got {size}")
+    check_draft_vocab_size(size, vocab_size)
     chosen = [t for t in tokenizer.all_special_ids if 0 <= t < vocab_size][:size]
     seen = set(chosen)
     for token, _ in _counts(model_dir, tokenizer).most_common():

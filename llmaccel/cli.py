@@ -44,8 +44,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                      "token-identical in float32 and for a lone request in bf16, sampling follows "
                                      "its distribution)")
     spec.add_argument("--speculative-model", metavar="DIR",
-                      help="a smaller draft model with the same tokenizer (e.g. a student from `llmaccel distill`); "
-                           "it proposes tokens the model verifies in one pass")
+                      help="a smaller draft model with the same tokenizer (e.g. a student from `llmaccel distill`), "
+                           "or a draft head trained for this model by `llmaccel distill-head` (one layer reading the "
+                           "model's own hidden states, EAGLE-style); it proposes tokens the model verifies in one pass")
     spec.add_argument("--speculative-method", choices=("draft", "ngram"),
                       help="draft: the --speculative-model (implied by it); ngram: prompt lookup, drafts copied from "
                            "earlier in the context, no second model (strong for edits, summaries, code)")
@@ -57,10 +58,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-max-batch", type=int, metavar="B",
                       help="speculate only while at most B requests run (default: decided per batch size by the "
                            "tokens/s measured with and without drafts while serving)")
+    spec.add_argument("--speculative-lookup", action="store_true",
+                      help="with --speculative-model: draft by prompt lookup where the context's suffix occurred "
+                           "before (the answer repeats the prompt or itself), by the draft model elsewhere")
     spec.add_argument("--speculative-draft-vocab", type=int, metavar="N",
                       help="cut the draft model's LM head to its N most frequent tokens (counted in the draft's "
                            "token_counts.json, which `llmaccel distill` writes, else in the built-in corpora): a "
-                           "draft pass then reads N rows of the head instead of the whole vocabulary's")
+                           "draft pass then reads N rows of the head instead of the whole vocabulary's (a draft head: "
+                           "default the size it was trained for)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -78,7 +83,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options.update(speculative_model=args.speculative_model, speculative_method=args.speculative_method,
                    num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch,
-                   speculative_draft_vocab=args.speculative_draft_vocab)
+                   speculative_draft_vocab=args.speculative_draft_vocab, speculative_lookup=args.speculative_lookup)
     return options
 
 
@@ -209,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "write a weight-only INT8/INT4 checkpoint that --model loads")
     _add_module_command(commands, "distill", "llmaccel.distill.train",
                         "train a smaller student of a model on its own next-token distributions (resumable)")
+    _add_module_command(commands, "distill-head", "llmaccel.distill.draft_head",
+                        "train an EAGLE-style draft head on a model's own features, for --speculative-model")
     evaluate = commands.add_parser("eval", help="quality evaluations")
     eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
     _add_module_command(eval_commands, "ppl", "llmaccel.quantization.perplexity",

@@ -132,7 +132,8 @@ class SpeculativeConfig:
     speculative_max_batch: int | None = None  # speculate only while at most this many requests run;
     # None: measured while serving (spec/policy.py)
     speculative_draft_vocab: int | None = None  # the draft model's LM head cut to this many frequent tokens
-    # (spec/draft_vocab.py); None: its whole vocabulary
+    # (spec/draft_vocab.py); None: its whole vocabulary (a draft head: the size it was trained for)
+    speculative_lookup: bool = False  # with a draft model: prompt lookup first where the context repeats
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, "draft", "ngram"):
@@ -156,6 +157,9 @@ class SpeculativeConfig:
                                  "--speculative-model")
             if self.speculative_draft_vocab < 1:
                 raise ValueError(f"speculative_draft_vocab must be >= 1, got {self.speculative_draft_vocab}")
+        if self.speculative_lookup and self.method != "draft":
+            raise ValueError("--speculative-lookup puts prompt lookup before a draft model; it needs "
+                             "--speculative-model (for lookup alone use --speculative-method ngram)")
 
     @property
     def method(self) -> str | None:

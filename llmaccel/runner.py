@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ Sampled = tuple[int, Logprob | None, float | None]  # token, its logprobs (if as
 class StepResult:
     sampled: dict[str, list[Sampled]]  # request id -> the tokens it took this step, in order
     failed: dict[str, BaseException]  # request id -> why it could not sample
+    # with `features`: request id -> (first position, the final hidden states of the rows it ran)
+    features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,13 +73,14 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def execute(self, output: SchedulerOutput, confidence: bool = False,
-                drafts: Mapping[str, list[int]] | None = None) -> StepResult:
+                drafts: Mapping[str, list[int]] | None = None, features: bool = False) -> StepResult:
         """Run one step; returns, for every request that samples, its new tokens (one, or with `drafts`
         the kept drafts and one more, spec/verify.py), each with its logprobs (if asked) and, with
         `confidence`, the top probability of its sampling distribution; and the error of each request
         whose sampling failed (the others are not affected). An error of the forward pass, which no
         request can be blamed for, is raised. `drafts`: request id -> tokens proposed after its last
-        token, verified in this pass as rows of their own (the scheduler gave them slots)."""
+        token, verified in this pass as rows of their own (the scheduler gave them slots). `features`: also
+        return every row's final hidden state by request (a draft head reads them, spec/draft_head.py)."""
         drafts = drafts or {}
         spans = []
         for item in output.scheduled:
@@ -89,6 +92,7 @@ class ModelRunner:
                 spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
         by_request = {item.request.request_id: item for item in output.scheduled}
         hidden, spans = self.forward_spans(spans)
+        kept_features = self._features(hidden, spans) if features else {}
         # rows to sample, of the spans that reach their request's last token: every row of a rows span
         # (a draft's verdict needs the target's token there), the last row of a chunk
         sample_rows: list[int] = []
@@ -101,7 +105,7 @@ class ModelRunner:
                 sample_rows.extend(range(offset + len(span.token_ids) - count, offset + len(span.token_ids)))
             offset += len(span.token_ids)
         if not sampled_spans:
-            return StepResult({}, {})
+            return StepResult({}, {}, kept_features)
         device = self.device
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
@@ -139,7 +143,17 @@ class ModelRunner:
                                                            results)
             except Exception as exc:
                 failed[request.request_id] = exc
-        return StepResult(sampled, failed)
+        return StepResult(sampled, failed, kept_features)
+
+    @staticmethod
+    def _features(hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each span's rows of `hidden`, copied (the decode stack reuses its output buffer)."""
+        out, offset = {}, 0
+        for span in spans:
+            count = len(span.token_ids)
+            out[span.request.request_id] = (span.start, hidden[offset:offset + count].clone())
+            offset += count
+        return out
 
     def _verify(self, span: Span, logits: torch.Tensor, rows: list[SamplingRow], results: list[Sampled]
                 ) -> list[Sampled]:
@@ -160,10 +174,12 @@ class ModelRunner:
         return kept
 
     @torch.inference_mode()
-    def forward_spans(self, spans: list[Span]) -> tuple[torch.Tensor, list[Span]]:
+    def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[Span]]:
         """Run spans of tokens (their blocks allocated) through the model, writing their K/V. Returns the
         final hidden states, [rows, hidden], and the spans in the order of those rows: rows spans first
-        (every token a decode query of its own), then chunks (causal within, over their cached context)."""
+        (every token a decode query of its own), then chunks (causal within, over their cached context).
+        `features`: a draft head's second input, a row per token in that order (spec/draft_head.py)."""
         ordered = [s for s in spans if s.as_rows] + [s for s in spans if not s.as_rows]
         input_ids, positions, slots = [], [], []
         for span in ordered:
@@ -174,8 +190,9 @@ class ModelRunner:
             slots.extend(self._slots(span.request.block_ids, table_start, table_start + count))
         meta = self._metadata(ordered, slots)
         device = self.device
+        extra = {} if features is None else {"features": features}
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta,
-                            self.kv_caches)
+                            self.kv_caches, **extra)
         return hidden, ordered
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], confidence: bool

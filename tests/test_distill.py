@@ -205,6 +205,28 @@ def test_the_chat_corpora_are_the_teachers_answers_sampled_and_greedy(tmp_path, 
     assert sum(counts["counts"].values()) == sum(int(len(ids) * (1 - 0.05)) for ids in train)
 
 
+def test_self_chat_is_the_teachers_own_questions_answered_greedily(tmp_path, teacher_dir, tiny_tokenizer):
+    from llmaccel.distill.corpus import self_chat_text
+
+    cache = tmp_path / "self-chat-corpus.txt"
+    text = self_chat_text(teacher_dir, cache, conversations=60, max_tokens=16, seed=0)
+    chats = [json.loads(line) for line in cache.with_suffix(".jsonl").read_text().splitlines()]
+    questions = [c["prompt"] for c in chats]
+    assert 3 <= len(chats) < 60  # unfinished and too short questions dropped
+    assert len(set(questions)) == len(questions) and all(len(q) >= 10 for q in questions)
+    # each question is what the teacher samples at the start of a user turn, seed by seed, up to its end
+    start = tiny_tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    asked = LLM(str(teacher_dir)).generate([start] * 60, [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=96,
+                                                                         seed=i, stop=["<|im_end|>"])
+                                                          for i in range(60)])
+    finished = [o.outputs[0].text.strip() for o in asked if o.outputs[0].finish_reason == "stop"]
+    assert set(questions) <= set(finished)
+    greedy = LLM(str(teacher_dir)).chat([[{"role": "user", "content": q}] for q in questions],
+                                        SamplingParams(temperature=0, max_tokens=16))
+    assert [c["answer"] for c in chats] == [g.outputs[0].text for g in greedy]
+    assert text.count("<|im_start|>assistant") == len(chats) and self_chat_text(teacher_dir, cache, 1, 1, 1) == text
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"corpora": ("no-such-corpus",)}, "'no-such-corpus' is neither a file nor one of"),
     ({"kl_weight": 1.5}, "--kl-weight must be in"),

@@ -449,3 +449,15 @@ def test_a_draft_models_catch_up_counts_in_the_cost_of_a_trial():
     plain_only.record_step(64, False, 200, 1.0)
     plain_only.record_step(64, True, 190, 1.0)
     assert plain_only.intervals[plain_only.bucket(64)] == 16  # 5% more every 16 steps: 0.3%, within 1%
+
+
+def test_several_requests_need_drafts_to_win_by_the_margin_one_request_by_any():
+    """Drafts at 1.05x plain per step: one request takes them, 64 do not (a closed batch's tail costs more
+    than that, spec/policy.py); at 1.2x both do."""
+    for drafted_rate, at_64 in ((105, False), (120, True)):
+        policy = SpeculationPolicy(2, max_model_len=1000, min_gain=0.1)
+        for num_running in (1, 64):
+            policy.record_step(num_running, False, 100, 1.0)
+            policy.record_step(num_running, True, drafted_rate, 1.0)
+        assert policy.speculates(1) is True
+        assert policy.speculates(64) is at_64

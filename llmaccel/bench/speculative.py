@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, action="append", default=[], metavar="N",
                         help="also measure each --draft with its LM head cut to its N most frequent tokens "
                              "(repeatable; see serve --speculative-draft-vocab)")
+    parser.add_argument("--lookup", action="store_true",
+                        help="also measure each --draft with prompt lookup first (serve --speculative-lookup)")
     parser.add_argument("--no-ngram", action="store_true", help="leave out the ngram (prompt lookup) method")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, metavar="K", help="drafts per step")
     parser.add_argument("--workloads", default="lone,copy,batch", help="which of lone, copy, batch to run")
@@ -90,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         for size in args.draft_vocab:
             variants[f"draft {Path(draft).name} vocab {size}"] = dict(speculative_model=draft,
                                                                       speculative_draft_vocab=size, **common)
+        if args.lookup:
+            variants[f"draft {Path(draft).name} + lookup"] = dict(speculative_model=draft, speculative_lookup=True,
+                                                                  **common)
     if not args.no_ngram:
         variants["ngram"] = dict(speculative_method="ngram", **common)
     engines = {label: LLM(args.model, dtype=args.dtype, **options) for label, options in variants.items()}

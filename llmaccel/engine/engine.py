@@ -270,7 +270,10 @@ class LLMEngine:
         began = time.perf_counter()
         try:
             drafts = self.drafter.propose(drafting) if drafting else {}
-            results = self.runner.execute(scheduled, self.record_confidence, drafts)
+            features = self.drafter is not None and self.drafter.wants_features
+            results = self.runner.execute(scheduled, self.record_confidence, drafts, features)
+            if features:
+                self.drafter.observe(results.features)
         except Exception as exc:
             self.last_step_failed = True
             self.num_failed_steps += 1

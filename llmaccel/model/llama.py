@@ -6,7 +6,7 @@ where their keys and values live in the pool. The LM head runs only on the rows 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -87,24 +87,7 @@ class LlamaForCausalLM(nn.Module):
             self.embedding = table if table.has_rows else Embedding(take("model.embed_tokens.weight"))
         else:
             self.embedding = Embedding(take("model.embed_tokens.weight"))
-        layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            qkv_bias = take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
-                                 p + "self_attn.v_proj.bias"]) if spec.qkv_bias else None
-            qkv = linear([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                         qkv_bias, p + "self_attn.qkv")
-            o = linear([p + "self_attn.o_proj.weight"], take(p + "self_attn.o_proj.bias") if spec.o_bias else None,
-                       p + "self_attn.o_proj")
-            gate_up_bias = take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if spec.mlp_bias else None
-            down_bias = take(p + "mlp.down_proj.bias") if spec.mlp_bias else None
-            gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up_bias, p + "mlp.gate_up")
-            mlp = GatedMLP(gate_up, linear([p + "mlp.down_proj.weight"], down_bias, p + "mlp.down_proj"))
-            input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-            input_norm.weight.data = take(p + "input_layernorm.weight")
-            post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-            post_norm.weight.data = take(p + "post_attention_layernorm.weight")
-            layers.append(DecoderLayer(spec, qkv, o, mlp, input_norm, post_norm, spec.layer_window(i)))
+        layers = [decoder_layer(spec, i, take, linear) for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
@@ -159,6 +142,28 @@ class _WeightTaker:
 
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self(n) for n in names], dim=0)
+
+
+def decoder_layer(spec: ModelSpec, i: int, take: _WeightTaker,
+                  linear: Callable[[list[str], torch.Tensor | None, str], nn.Module]) -> DecoderLayer:
+    """Layer `i` from the checkpoint's HF-named weights; `linear(names, bias, name)` builds a projection
+    from the named weights stacked (dense, quantized or prequantized: the caller's choice)."""
+    p = f"model.layers.{i}."
+    qkv_bias = take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                         p + "self_attn.v_proj.bias"]) if spec.qkv_bias else None
+    qkv = linear([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                 qkv_bias, p + "self_attn.qkv")
+    o = linear([p + "self_attn.o_proj.weight"], take(p + "self_attn.o_proj.bias") if spec.o_bias else None,
+               p + "self_attn.o_proj")
+    gate_up_bias = take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if spec.mlp_bias else None
+    down_bias = take(p + "mlp.down_proj.bias") if spec.mlp_bias else None
+    gate_up = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up_bias, p + "mlp.gate_up")
+    mlp = GatedMLP(gate_up, linear([p + "mlp.down_proj.weight"], down_bias, p + "mlp.down_proj"))
+    input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+    input_norm.weight.data = take(p + "input_layernorm.weight")
+    post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+    post_norm.weight.data = take(p + "post_attention_layernorm.weight")
+    return DecoderLayer(spec, qkv, o, mlp, input_norm, post_norm, spec.layer_window(i))
 
 
 def choose_bf16_kernels(model: LlamaForCausalLM) -> None:

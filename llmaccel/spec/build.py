@@ -13,8 +13,10 @@ from llmaccel.model.llama import LlamaForCausalLM, unify_bf16_kernels
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner
+from llmaccel.spec.draft_head import DraftHead, HeadDrafter
 from llmaccel.spec.draft_vocab import DraftVocabulary, check_draft_vocab_size, cut_head, frequent_tokens
-from llmaccel.spec.drafters import Drafter, ModelDrafter, NgramDrafter
+from llmaccel.spec.drafters import Drafter, LookupFirstDrafter, ModelDrafter, NgramDrafter
+from llmaccel.spec.head_dir import is_draft_head
 from llmaccel.spec.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,22 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
         logger.info("speculative decoding: ngram prompt lookup (n %d..%d), up to %d drafts a step",
                     config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max), policy
+    if is_draft_head(config.speculative_model):
+        drafter = build_head_drafter(config, target, tokenizer, num_blocks, block_size, dtype, device)
+    else:
+        drafter = build_model_drafter(config, target, tokenizer, num_blocks, block_size, dtype, device, max_model_len,
+                                      use_kernel)
+    if config.speculative_lookup:
+        logger.info("speculative decoding: prompt lookup (n %d..%d) first, the draft where the context does not "
+                    "repeat", config.prompt_lookup_min, config.prompt_lookup_max)
+        return LookupFirstDrafter(drafter, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)), policy
+    return drafter, policy
+
+
+def build_model_drafter(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+                        block_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                        use_kernel: bool | None) -> ModelDrafter:
+    """A smaller model with the target's tokenizer, its LM head cut if asked."""
     checkpoint = load_checkpoint(config.speculative_model)
     check_same_tokenizer(config.speculative_model, checkpoint.spec, checkpoint.tokenizer, target.spec, tokenizer)
     draft = LlamaForCausalLM(checkpoint.spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
@@ -57,7 +75,32 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
     logger.info("speculative decoding: draft model %s (%d layers, %.0f MB; %s), up to %d drafts a step",
                 config.speculative_model, draft.spec.num_layers, draft_bytes / 1e6, head,
                 config.num_speculative_tokens)
-    return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device), vocabulary), policy
+    return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device), vocabulary)
+
+
+def build_head_drafter(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+                       block_size: int, dtype: torch.dtype, device: torch.device) -> HeadDrafter:
+    """A draft head (`llmaccel distill-head`) drafting over the vocabulary it was trained on, unless
+    --speculative-draft-vocab says otherwise."""
+    from transformers import AutoTokenizer
+
+    directory = Path(config.speculative_model).expanduser()
+    head = DraftHead(directory, target, dtype, device)
+    if head.section.get("kind") != "eagle":
+        raise ValueError(f"{directory}: draft head kind {head.section.get('kind')!r} is not one llmaccel runs (eagle)")
+    head_tokenizer = AutoTokenizer.from_pretrained(directory)
+    check_same_tokenizer(str(directory), target.spec, head_tokenizer, target.spec, tokenizer, role="draft head")
+    size = config.speculative_draft_vocab or head.section.get("draft_vocab") or target.spec.vocab_size
+    check_draft_vocab_size(size, target.spec.vocab_size)
+    vocabulary = None
+    if size < target.spec.vocab_size:
+        ids = frequent_tokens(directory, tokenizer, size, target.spec.vocab_size)
+        vocabulary = DraftVocabulary(ids, cut_head(target.lm_head, ids))
+    head_bytes = weight_bytes(head.fc) + weight_bytes(head.layers) + weight_bytes(head.norm)
+    logger.info("speculative decoding: draft head %s (one layer, %.1f MB; drafting over %s), up to %d drafts a step",
+                directory, head_bytes / 1e6, "the whole vocabulary" if vocabulary is None else f"{size} tokens",
+                config.num_speculative_tokens)
+    return HeadDrafter(ModelRunner(head, num_blocks, block_size, dtype, device), vocabulary)
 
 
 def hf_dir_or_none(name: str) -> Path | None:

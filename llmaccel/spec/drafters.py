@@ -1,6 +1,7 @@
 """Drafters: what proposes the tokens the target verifies. They know requests as token lists only.
 
 - NgramDrafter copies the tokens that followed an earlier occurrence of the context's suffix.
+- LookupFirstDrafter drafts by prompt lookup where the context repeats, by another drafter elsewhere.
 - ModelDrafter runs a smaller model with the target's tokenizer (a distilled student) greedily, K
   passes a step. Its KV lives in a pool of its own laid out like the target's: the same block ids
   and slots, so the target's block tables, allocation, prefix cache, preemption and rollback serve
@@ -29,6 +30,7 @@ class Drafter(Protocol):
     # False after a propose that caught a request's draft KV up over more than its last step's tokens
     # (its prompt, at its first draft): that step's time says little about speculation's steady cost
     steady: bool
+    wants_features: bool  # whether `observe` should get the target's hidden states each step
 
     def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
         """Up to `num_draft_slots` tokens to follow each item's request's last token."""
@@ -36,9 +38,13 @@ class Drafter(Protocol):
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted: drop what is kept for it."""
 
+    def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """The target's final hidden states of a step's rows (only when `wants_features`)."""
+
 
 class NgramDrafter:
     steady = True
+    wants_features = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -54,8 +60,41 @@ class NgramDrafter:
     def forget(self, request_id: str) -> None:
         pass
 
+    def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        pass
+
+
+class LookupFirstDrafter:
+    """Prompt lookup where the context's suffix occurred before, `inner` (a draft model or head) for the
+    rest. A small draft has no working copy circuit: where the answer repeats its prompt or itself,
+    copying keeps most drafts and the draft few. `inner` catches up lazily on the requests it skipped."""
+
+    def __init__(self, inner: Drafter, lookup: NgramDrafter) -> None:
+        self.inner, self.lookup = inner, lookup
+        self.wants_features = inner.wants_features
+
+    @property
+    def steady(self) -> bool:
+        return self.inner.steady
+
+    def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
+        drafts = self.lookup.propose(items)
+        rest = [item for item in items if item.request.request_id not in drafts]
+        self.inner.steady = True
+        if rest:
+            drafts.update(self.inner.propose(rest))
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self.inner.forget(request_id)
+
+    def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        self.inner.observe(features)
+
 
 class ModelDrafter:
+    wants_features = False
+
     def __init__(self, runner: ModelRunner, vocabulary: DraftVocabulary | None = None) -> None:
         self.runner = runner
         self.vocabulary = vocabulary
@@ -107,3 +146,6 @@ class ModelDrafter:
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
+
+    def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        pass

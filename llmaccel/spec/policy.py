@@ -53,7 +53,7 @@ class SpeculationStats:
 class SpeculationPolicy:
     def __init__(self, num_speculative_tokens: int, max_model_len: int, max_batch: int | None = None,
                  explore_every: int = 16, max_explore_every: int = 1024, smoothing: float = 0.2,
-                 trial_budget: float = 0.01) -> None:
+                 trial_budget: float = 0.01, min_gain: float = 0.1) -> None:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -61,6 +61,7 @@ class SpeculationPolicy:
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
         self.trial_budget = trial_budget
+        self.min_gain = min_gain
         self.rates: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s of decode-only steps
         self.steps: dict[int, int] = {}  # bucket -> decode-only steps recorded since its last exploration
         self.intervals: dict[int, int] = {}  # bucket -> steps between explorations of the side not chosen
@@ -86,7 +87,7 @@ class SpeculationPolicy:
             return False
         if with_drafts is None:
             return True
-        better = with_drafts >= without
+        better = self._drafts_win(bucket)
         interval = self.intervals.get(bucket, self.explore_every)
         return not better if self.steps.get(bucket, 0) >= interval else better
 
@@ -114,7 +115,7 @@ class SpeculationPolicy:
         with_drafts, without = self.rates.get((bucket, True)), self.rates.get((bucket, False))
         if with_drafts is None or without is None:
             return
-        better = with_drafts >= without
+        better = self._drafts_win(bucket)
         if bucket not in self.choices:  # both sides measured: the first choice
             self.steps[bucket] = 0
             self.intervals[bucket] = self._affordable(self.explore_every, bucket)
@@ -127,6 +128,12 @@ class SpeculationPolicy:
         else:
             self.steps[bucket] = self.steps.get(bucket, 0) + 1
         self.choices[bucket] = better
+
+    def _drafts_win(self, bucket: int) -> bool:
+        """Whether the bucket's measured rate with drafts beats plain decoding's: by `min_gain` once several
+        requests decode (the bucket of one request is 1)."""
+        margin = 1.0 if bucket == 1 else 1.0 + self.min_gain
+        return self.rates[(bucket, True)] >= margin * self.rates[(bucket, False)]
 
     def record_catch_up(self, num_decoding: int, seconds: float) -> None:
         """A decode-only step whose draft model first caught its KV up (not a steady step: not a rate)."""

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from llmaccel.config import DEFAULT_MODEL
 from llmaccel.distill.corpus import CORPUS_NAMES, check_corpus_names, heldout_windows, token_corpora, training_batch
 from llmaccel.distill.head_model import TrainableHead, head_spec, save_head
-from llmaccel.distill.train import _training_dtype, learning_rate
+from llmaccel.distill.train import _training_dtype, check_resumable, learning_rate
 from llmaccel.spec.draft_vocab import frequent_tokens, write_token_counts
 
 DEFAULT_CORPORA = ("self-chat", "chat-greedy")
@@ -121,12 +121,7 @@ class HeadTrainer:
         checkpoint = self.state_dir / "checkpoint" / "train_state.pt"
         if checkpoint.is_file():
             saved = torch.load(checkpoint, weights_only=False)
-            for key in _RESUME_KEYS:
-                theirs, ours = saved["config"][key], asdict(config)[key]
-                if (list(theirs) if isinstance(theirs, tuple | list) else theirs) != (
-                        list(ours) if isinstance(ours, tuple | list) else ours):
-                    raise ValueError(f"{self.out} holds a run with {key} = {theirs!r}, not {ours!r}: give the same "
-                                     "flags to resume it, --restart to start over, or another --out")
+            check_resumable(saved["config"], asdict(config), _RESUME_KEYS, self.out)
             self.head.load_engine_weights(saved["weights"])
             self.state = HeadState(**saved["run"])
         else:

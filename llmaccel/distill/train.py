@@ -116,6 +116,16 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
     return kl_weight * kl + (1 - kl_weight) * ce, kl, ce
 
 
+def check_resumable(saved: dict, mine: dict, keys: tuple[str, ...], out: Path) -> None:
+    """A ValueError naming the first of `keys` on which the checkpoint's run and this one differ."""
+    for key in keys:
+        theirs, ours = saved[key], mine[key]
+        if (list(theirs) if isinstance(theirs, tuple | list) else theirs) != (
+                list(ours) if isinstance(ours, tuple | list) else ours):
+            raise ValueError(f"{out} holds a run with {key} = {theirs!r}, not {ours!r}: give the same "
+                             "flags to resume it, --restart to start over, or another --out")
+
+
 def _training_dtype(config: DistillConfig) -> torch.dtype:
     from llmaccel.platform import auto_dtype
 
@@ -175,13 +185,7 @@ class Distiller:
 
     def _resume(self, model_class) -> None:
         saved = torch.load(self.checkpoint_dir / "train_state.pt", weights_only=False)
-        mine = asdict(self.config)
-        for key in _RESUME_KEYS:
-            theirs, ours = saved["config"][key], mine[key]
-            if (list(theirs) if isinstance(theirs, tuple | list) else theirs) != (
-                    list(ours) if isinstance(ours, tuple | list) else ours):
-                raise ValueError(f"{self.out} holds a run with {key} = {theirs!r}, not {ours!r}: give the same "
-                                 "flags to resume it, --restart to start over, or another --out")
+        check_resumable(saved["config"], asdict(self.config), _RESUME_KEYS, self.out)
         self.student = model_class.from_pretrained(self.checkpoint_dir, dtype=torch.float32)
         self.optimizer = self._optimizer()
         self.optimizer.load_state_dict(saved["optimizer"])

@@ -28,7 +28,7 @@ from llmaccel.model.llama import LlamaForCausalLM, _WeightTaker, decoder_layer
 from llmaccel.ops.attention import AttentionMetadata
 from llmaccel.runner import ModelRunner, Span
 from llmaccel.spec.draft_vocab import DraftVocabulary
-from llmaccel.spec.drafters import MAX_ROWS_SPAN
+from llmaccel.spec.drafters import MAX_ROWS_SPAN, last_row_drafts
 from llmaccel.spec.head_dir import read_head_section
 
 MAX_PENDING = 4096  # target features kept a request while it does not draft (positions)
@@ -152,16 +152,7 @@ class HeadDrafter:
         its last token, [spans, hidden], and the draft token there."""
         hidden, ordered = self.runner.forward_spans(spans, features=features)
         assert [s.request.request_id for s in ordered] == [s.request.request_id for s in spans]
-        ends, offset = [], 0
-        for span in spans:
-            offset += len(span.token_ids)
-            ends.append(offset - 1)
-        if len(ends) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(ends, device=hidden.device)]
-        if self.vocabulary is not None:
-            return hidden, self.vocabulary.argmax(hidden)
-        logits = self.runner.model.compute_logits(hidden)
-        return hidden, logits[:, : self.runner.sampler.vocab_size].argmax(dim=-1).tolist()
+        return last_row_drafts(self.runner, self.vocabulary, hidden, ordered)
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)

@@ -133,19 +133,26 @@ class ModelDrafter:
     def _next_tokens(self, spans: list[Span]) -> tuple[list[Span], list[int]]:
         """Run the spans; the draft's argmax after each one's last token (spans in the order run)."""
         hidden, ordered = self.runner.forward_spans(spans)
-        ends, offset = [], 0
-        for span in ordered:
-            offset += len(span.token_ids)
-            ends.append(offset - 1)
-        if len(ends) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(ends, device=hidden.device)]
-        if self.vocabulary is not None:
-            return ordered, self.vocabulary.argmax(hidden)
-        logits = self.runner.model.compute_logits(hidden)
-        return ordered, logits[:, : self.runner.sampler.vocab_size].argmax(dim=-1).tolist()
+        return ordered, last_row_drafts(self.runner, self.vocabulary, hidden, ordered)[1]
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
     def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
         pass
+
+
+def last_row_drafts(runner: ModelRunner, vocabulary: DraftVocabulary | None, hidden: torch.Tensor,
+                    ordered: list[Span]) -> tuple[torch.Tensor, list[int]]:
+    """Each span's row at its last token ([spans, hidden], spans in the order run) and the draft's
+    argmax there, over its vocabulary when cut."""
+    ends, offset = [], 0
+    for span in ordered:
+        offset += len(span.token_ids)
+        ends.append(offset - 1)
+    if len(ends) < hidden.shape[0]:
+        hidden = hidden[torch.tensor(ends, device=hidden.device)]
+    if vocabulary is not None:
+        return hidden, vocabulary.argmax(hidden)
+    logits = runner.model.compute_logits(hidden)
+    return hidden, logits[:, : runner.sampler.vocab_size].argmax(dim=-1).tolist()

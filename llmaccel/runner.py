@@ -147,11 +147,11 @@ class ModelRunner:
 
     @staticmethod
     def _features(hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, torch.Tensor]]:
-        """Each span's rows of `hidden`, copied (the decode stack reuses its output buffer)."""
-        out, offset = {}, 0
+        """Each span's rows of `hidden`, views of one copy (the decode stack reuses its output buffer)."""
+        out, offset, hidden = {}, 0, hidden.clone()
         for span in spans:
             count = len(span.token_ids)
-            out[span.request.request_id] = (span.start, hidden[offset:offset + count].clone())
+            out[span.request.request_id] = (span.start, hidden[offset:offset + count])
             offset += count
         return out
 

@@ -216,6 +216,27 @@ def test_lookup_first_copies_where_the_context_repeats_and_asks_the_head_elsewhe
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
+def test_pending_features_keep_what_the_target_kept_and_at_most_max_pending(monkeypatch):
+    """A verification's rows past the kept drafts are replaced by the next step's; a stretch without drafts
+    keeps its last MAX_PENDING positions (plus at most one step's chunk)."""
+    from llmaccel.spec import draft_head
+
+    def rows(first, count):
+        return torch.arange(first, first + count, dtype=torch.float32).unsqueeze(1)
+
+    pending = draft_head.PendingFeatures(10)
+    pending.add(10, rows(10, 5))  # a prompt chunk: positions 10..14
+    pending.add(15, rows(15, 3))  # a verification: 15 and two drafts
+    pending.add(16, rows(16, 3))  # one draft kept: 17 and on are replaced
+    pending.add(17, rows(17, 1))
+    assert (pending.start, pending.end) == (10, 18)
+    assert pending.rows().squeeze(1).tolist() == list(range(10, 18))
+    monkeypatch.setattr(draft_head, "MAX_PENDING", 4)
+    pending.add(18, rows(18, 2))
+    pending.add(20, rows(20, 3))
+    assert pending.start == 18 and pending.rows().squeeze(1).tolist() == list(range(18, 23))
+
+
 def test_lookup_without_a_draft_model_is_refused():
     with pytest.raises(ValueError, match="--speculative-lookup puts prompt lookup before a draft model"):
         LLM("smollm2-135m", speculative_lookup=True)

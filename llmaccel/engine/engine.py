@@ -309,11 +309,9 @@ class LLMEngine:
                 failed[request.request_id] = exc
             changed[group.request_id] = group
         if self.speculation is not None and all(item.num_new_tokens == 1 for item in scheduled.scheduled):
-            if not drafting or self.drafter.steady:
-                self.speculation.record_step(len(scheduled.scheduled), bool(drafting), num_new_tokens,
-                                             time.perf_counter() - began)
-            else:  # the draft model caught its KV up first: what a trial of drafts costs on top
-                self.speculation.record_catch_up(len(scheduled.scheduled), time.perf_counter() - began)
+            caught_up = bool(drafting) and not self.drafter.steady
+            self.speculation.record_step(len(scheduled.scheduled), bool(drafting), num_new_tokens,
+                                         time.perf_counter() - began, caught_up=caught_up)
         for request_id, exc in failed.items():
             group = self._sample_to_group[request_id]
             if group.error is not None:  # a sibling's failure ended its group already

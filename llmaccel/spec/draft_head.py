@@ -76,6 +76,33 @@ class DraftHead(nn.Module):
         return self.norm.add_forward(hidden, residual)[0]
 
 
+class PendingFeatures:
+    """A request's target features from `start` on, as the steps delivered them: a list of chunks joined
+    only when the head reads them (joining at every step copied the whole stretch each time: 3% of a
+    64-request batch that did not draft)."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.end = start, start
+        self.chunks: list[torch.Tensor] = []
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        """Rows from position `start` (start..end): rows kept from `start` on are replaced."""
+        while self.chunks and self.end - len(self.chunks[-1]) >= start:
+            self.end -= len(self.chunks.pop())
+        if self.end > start:
+            self.chunks[-1] = self.chunks[-1][:len(self.chunks[-1]) - (self.end - start)]
+            self.end = start
+        self.chunks.append(rows)
+        self.end += len(rows)
+        while self.chunks and self.end - self.start - len(self.chunks[0]) >= MAX_PENDING:
+            self.start += len(self.chunks.pop(0))
+
+    def rows(self) -> torch.Tensor:
+        if len(self.chunks) != 1:
+            self.chunks = [torch.cat(self.chunks)] if self.chunks else [torch.empty(0)]
+        return self.chunks[0]
+
+
 class HeadDrafter:
     """Drafts with a DraftHead: K passes a step, the first one the catch-up."""
 
@@ -84,7 +111,7 @@ class HeadDrafter:
         self.vocabulary = vocabulary
         self.hidden_size = runner.model.spec.hidden_size
         self._computed: dict[str, int] = {}  # request id -> positions whose head KV read the target's features
-        self._features: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (first position, [n, hidden])
+        self._features: dict[str, PendingFeatures] = {}  # request id -> the target's features not yet read
         self.steady = True
         self.wants_features = True
 
@@ -93,19 +120,16 @@ class HeadDrafter:
         consecutive positions; those past what the target kept are replaced by the next step's."""
         for request_id, (start, rows) in features.items():
             kept = self._features.get(request_id)
-            if kept is not None and kept[0] <= start <= kept[0] + len(kept[1]):
-                rows = torch.cat([kept[1][:start - kept[0]], rows])
-                start = kept[0]
-            if len(rows) > MAX_PENDING:
-                start, rows = start + len(rows) - MAX_PENDING, rows[-MAX_PENDING:]
-            self._features[request_id] = (start, rows)
+            if kept is None or not kept.start <= start <= kept.end:
+                kept = self._features[request_id] = PendingFeatures(start)
+            kept.add(start, rows)
 
     def _inputs(self, request_id: str, first: int, count: int) -> torch.Tensor:
         """The target's features at positions first..first + count - 1, zeros where none came."""
         out = torch.zeros(count, self.hidden_size, dtype=self.runner.model.dtype, device=self.runner.device)
         kept = self._features.get(request_id)
         if kept is not None:
-            start, rows = kept
+            start, rows = kept.start, kept.rows()
             lo, hi = max(first, start), min(first + count, start + len(rows))
             if lo < hi:
                 out[lo - first:hi - first] = rows[lo - start:hi - start]

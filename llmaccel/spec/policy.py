@@ -15,9 +15,11 @@ measured first, and the side not chosen is tried again after `explore_every` ste
 interval that doubles each time the trial confirms the choice, so the choice follows changes in the
 text or the machine while trials of a losing side stay rare. The interval is also never shorter
 than what keeps those trials within `trial_budget` of the bucket's time: a trial step of a side
-measured at half the other's rate costs one step more, so at 1% a one-step trial comes at most every
-100 steps; a draft model that must first catch its KV up over the plain stretch (`record_catch_up`)
-adds that step's cost. `max_batch`, when given, replaces the measurement by a fixed limit.
+measured at half the other's rate costs one step more, so at 0.5% a one-step trial comes at most every
+200 steps; a draft model that must first catch its KV up over the plain stretch (`record_catch_up`)
+adds that step's cost. (At 1% a draft head's trials at 64 cost 2% measured: a trial moves some requests
+ahead, and the batch's tail then runs through smaller buckets' own first trials.) `max_batch`, when
+given, replaces the measurement by a fixed limit.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class SpeculationStats:
 class SpeculationPolicy:
     def __init__(self, num_speculative_tokens: int, max_model_len: int, max_batch: int | None = None,
                  explore_every: int = 16, max_explore_every: int = 1024, smoothing: float = 0.2,
-                 trial_budget: float = 0.01, min_gain: float = 0.2, trial_rows: int = 8) -> None:
+                 trial_budget: float = 0.005, min_gain: float = 0.2, trial_rows: int = 8) -> None:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_batch = max_batch

@@ -493,6 +493,27 @@ def test_a_lone_requests_trial_spans_steps_and_weighs_tokens_by_time():
     assert 0 not in decisions[16:16 + 16]  # chosen: drafts, and the first trial of plain comes later
 
 
+@pytest.mark.parametrize(("plain_after", "switches"), [(200, False), (90, True)])
+def test_a_trial_that_beats_the_choice_is_checked_against_the_choice_measured_afresh(plain_after, switches):
+    """Plain at 200 tokens/s, drafts at 150; a slow stretch drags plain's moving average to ~100, and the
+    next trial of drafts (150) beats 1.2x that. Before switching, plain is measured again: back at 200, it
+    stays chosen (and the trial counts as confirming it); still slow (90), drafts take over."""
+    policy = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=64, trial_budget=1.0)
+    slow = False
+    for step in range(400):
+        speculate = policy.speculates(64)
+        if step == 40:
+            slow = True
+        if speculate and slow:  # the trial of drafts
+            policy.record_step(64, True, 150, 1.0)
+            assert policy.rechecks == {policy.bucket(64)} and policy.speculates(64) is False
+            policy.record_step(64, False, plain_after, 1.0)
+            assert policy.rechecks == set() and policy.speculates(64) is switches
+            return
+        policy.record_step(64, speculate, 150 if speculate else (100 if slow else 200), 1.0)
+    raise AssertionError("no trial of drafts after the slow stretch")
+
+
 def test_several_requests_need_drafts_to_win_by_the_margin_one_request_by_any():
     """Drafts at 1.1x plain per step: one request takes them, 64 do not (a closed batch's tail costs more
     than that: ngram measured 0.93x overall at 64 while its steps ran 1.05-1.11x); at 1.25x both do."""

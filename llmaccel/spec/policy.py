@@ -13,7 +13,11 @@ then follows the machine by moving averages of tokens and seconds a step (their 
 step of few requests weighing less); a trial of the other side replaces its figures. Each side is
 measured first, and the side not chosen is tried again after `explore_every` steps of that bucket, an
 interval that doubles each time the trial confirms the choice, so the choice follows changes in the
-text or the machine while trials of a losing side stay rare. The interval is also never shorter
+text or the machine while trials of a losing side stay rare. The choice changes only on fresh figures
+of both sides: when the choice's average falls behind the other side's old figures, that side is tried
+at once, and a trial that beats the choice is checked against the choice measured again. (Once a
+benchmark's batch of 64 drafted at 0.75x for two rounds; a switch on one side's stale figures, e.g. a
+slow minute in plain's average, is the way the old rule allowed that.) The interval is also never shorter
 than what keeps those trials within `trial_budget` of the bucket's time: a trial step of a side
 measured at half the other's rate costs one step more, so at 0.5% a one-step trial comes at most every
 200 steps; a draft model that must first catch its KV up over the plain stretch (`record_catch_up`)
@@ -77,6 +81,7 @@ class SpeculationPolicy:
         self.choices: dict[int, bool] = {}  # bucket -> the side chosen at its last exploration
         self.catch_up: dict[int, float] = {}  # bucket -> the last catch-up step's cost, in plain steps
         self.last_speculated: dict[int, bool] = {}  # bucket -> whether its last decode-only step had drafts
+        self.rechecks: set[int] = set()  # buckets whose trial beat the choice: the choice is measured afresh
         self.stats = SpeculationStats()
 
     @staticmethod
@@ -87,8 +92,9 @@ class SpeculationPolicy:
         """Whether a step with `num_running` requests running gives them drafts. Plain steps are measured
         first (they cost nothing extra), then steps with drafts; then the faster side is chosen, and the
         other is tried again after `explore_every` steps, an interval that doubles (up to
-        `max_explore_every`) each time the trial confirms the choice: a trial of a losing side costs its
-        step and, for a draft model, catching its KV up."""
+        `max_explore_every`) each time the trial confirms the choice, or at once when the choice's moving
+        average falls behind the other side's figures. A trial that beats the choice is checked against
+        the choice measured afresh before the choice changes."""
         if self.max_batch is not None:
             return num_running <= self.max_batch
         bucket = self.bucket(num_running)
@@ -97,9 +103,11 @@ class SpeculationPolicy:
             return False
         if with_drafts is None:
             return True
-        better = self._drafts_win(bucket)
+        choice = self.choices[bucket]
+        if bucket in self.rechecks:
+            return choice
         interval = self.intervals.get(bucket, self.explore_every)
-        return not better if self.steps.get(bucket, 0) >= interval else better
+        return not choice if self.steps.get(bucket, 0) >= interval else choice
 
     def draft_slots(self, request: Request, num_running: int) -> int:
         """Drafts for a decoding request this step: K, fewer near its token limit or the context's end."""
@@ -127,7 +135,8 @@ class SpeculationPolicy:
             return
         key = (bucket, speculated)
         trial = bucket in self.choices and speculated != self.choices[bucket]
-        if trial or key not in self.rates:  # a side's first measurement or a trial: over trial_rows
+        recheck = bucket in self.rechecks and not trial
+        if trial or recheck or key not in self.rates:  # measured afresh, over trial_rows
             tokens, spent, rows, steps = self.pending.get(key, (0, 0.0, 0, 0))
             tokens, spent, rows, steps = tokens + num_tokens, spent + seconds, rows + num_decoding, steps + 1
             if rows < self.trial_rows:
@@ -148,13 +157,22 @@ class SpeculationPolicy:
         if bucket not in self.choices:  # both sides measured: the first choice
             self.steps[bucket] = 0
             self.intervals[bucket] = self._affordable(self.explore_every, bucket)
-        elif trial:  # a trial ended: it confirmed the choice (try again later) or overturned it
+        elif trial and better != self.choices[bucket]:
+            # the trial beat the choice: before switching, measure the choice afresh (its moving average
+            # may be a slow minute's)
+            self.rechecks.add(bucket)
+            return
+        elif trial or recheck:  # confirmed (try again later) or, after the recheck, overturned
+            self.rechecks.discard(bucket)
             interval = self.intervals.get(bucket, self.explore_every)
             self.intervals[bucket] = self._affordable(2 * interval, bucket) if better == self.choices[bucket] \
                 else self.explore_every
             self.steps[bucket] = 0
         else:
             self.steps[bucket] = self.steps.get(bucket, 0) + 1
+            if better != self.choices[bucket]:  # the choice's average fell behind the other's old figures:
+                self.steps[bucket] = max(self.steps[bucket], self.intervals[bucket])  # try that side now
+            return
         self.choices[bucket] = better
 
     def _drafts_win(self, bucket: int) -> bool:

@@ -455,6 +455,12 @@ def test_a_draft_models_catch_up_counts_in_the_cost_of_a_trial():
     plain_only.record_step(64, False, 200, 1.0)
     plain_only.record_step(64, True, 190, 1.0)
     assert plain_only.intervals[plain_only.bucket(64)] == 16  # 5% more every 16 steps: 0.3%, within 0.5%
+    on_the_margin = SpeculationPolicy(2, max_model_len=1000, explore_every=16, max_explore_every=400)
+    on_the_margin.record_step(64, False, 200, 1.0)
+    on_the_margin.record_step(64, True, 64, 2.0, caught_up=True)
+    on_the_margin.record_step(64, True, 210, 1.0)  # faster per step, short of the 20% margin: plain
+    assert on_the_margin.speculates(64) is False
+    assert on_the_margin.intervals[on_the_margin.bucket(64)] == 400  # the catch-up still prices its trials
 
 
 def test_catching_up_step_after_step_is_a_rate_not_a_fee():

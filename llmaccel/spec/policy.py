@@ -193,7 +193,8 @@ class SpeculationPolicy:
         trial of drafts the draft model's catch-up), and capped."""
         with_drafts, without = self.rates[(bucket, True)], self.rates[(bucket, False)]
         trial_steps = math.ceil(self.trial_rows / 2 ** (bucket - 1))  # the bucket's fewest requests a step
-        extra = (max(with_drafts, without) / min(with_drafts, without) - 1) * trial_steps
-        if without >= with_drafts:
-            extra += self.catch_up.get(bucket, 0.0)
+        if self._drafts_win(bucket):  # the trial is of plain steps
+            extra = max(0.0, with_drafts / without - 1) * trial_steps
+        else:  # of drafts, which first catch up, even where they lose only on the margin
+            extra = max(0.0, without / with_drafts - 1) * trial_steps + self.catch_up.get(bucket, 0.0)
         return min(max(interval, math.ceil(extra / self.trial_budget)), self.max_explore_every)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from llmaccel.bounds import RANGES, reduce_seed
 
 # Temperatures below this sample greedily (as vLLM): dividing logits by ~1e-30 overflows to inf.
 GREEDY_BELOW = 1e-5
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
     skip_special_tokens: bool = True
+    # token id -> a number added to its logit before sampling (OpenAI's logit_bias; the logprobs stay the
+    # model's own, as vLLM's raw logprobs); given as a mapping, kept as (id, bias) pairs sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string from callers, store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((tuple(pair) for pair in bias), key=lambda p: p[0])))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
@@ -60,6 +67,22 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids[{i}] must be a token id >= 0, got {token}")
         if self.seed is not None:
             _check_kind("seed", self.seed, int)
+        biases = []
+        for pair in self.logit_bias:
+            if len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
+            token, bias = pair
+            _check_kind("a logit_bias token id", token, int)
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} must be >= 0")
+            _check_kind(f"logit_bias[{token}]", bias, float)
+            bias = _finite_float(f"logit_bias[{token}]", bias)
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {pair[1]!r}")
+            biases.append((token, bias))  # floats: 1 and 1.0 are one bias (and one result-cache key)
+        if len({token for token, _ in biases}) != len(biases):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(biases))
 
     @property
     def greedy(self) -> bool:

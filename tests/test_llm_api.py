@@ -83,6 +83,31 @@ def test_stop_token_ids_and_eos(llm):
     assert out.finish_reason == "stop" and out.stop_reason == token
 
 
+def test_logit_bias_matches_hfs_sequence_bias(llm, llama_dir):
+    """HF's generate takes the same single-token biases as `sequence_bias`: greedy output token for token,
+    one request with the bias beside one without in the same batch; an id outside the vocabulary is refused."""
+    from transformers import GenerationConfig
+
+    from llmaccel.errors import InvalidRequestError
+    from tests.tiny_models import _hf_model
+
+    ids = llm.tokenizer.encode("The quick brown fox")
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    bias = {plain[0]: -100.0, plain[3]: 4.0, 17: 2.5}
+    outs = llm.generate([ids, ids], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias),
+                                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              sequence_bias={(token,): value for token, value in bias.items()})
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    with torch.no_grad():
+        hf = _hf_model(llama_dir).generate(torch.tensor([ids]), attention_mask=mask, generation_config=config)
+    hf = hf[0, len(ids):].tolist()
+    assert outs[0].outputs[0].token_ids == hf != plain
+    assert outs[1].outputs[0].token_ids == plain
+    with pytest.raises(InvalidRequestError, match="logit_bias: token id 99999 is outside the vocabulary"):
+        llm.generate([ids], SamplingParams(logit_bias={99999: 1}))
+
+
 def test_logprobs_match_hf_log_softmax(llm, llama_dir):
     from tests.tiny_models import _hf_model
 

@@ -34,6 +34,8 @@ def test_only_deterministic_single_samples_are_cacheable():
     key = cache_key("model|float32", [1, 2], SamplingParams(temperature=0))
     assert key != cache_key("model|int8", [1, 2], SamplingParams(temperature=0))
     assert key != cache_key("model|float32", [1, 2], SamplingParams(temperature=0, max_tokens=17))
+    biased = cache_key("model|float32", [1, 2], SamplingParams(temperature=0, logit_bias={5: 1.0}))
+    assert key != biased == cache_key("model|float32", [1, 2], SamplingParams(temperature=0, logit_bias=[(5, 1)]))
 
 
 def test_entries_round_trip_and_are_evicted_least_recently_used_by_count_and_bytes():

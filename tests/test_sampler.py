@@ -72,6 +72,23 @@ def test_logprobs_are_the_raw_log_softmax_with_top_n():
     assert list(logprobs[0].top) == [1, 2]
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_logit_bias_moves_the_choice_not_the_logprobs(use_kernel, monkeypatch):
+    """+5 on token 0 makes it the greedy choice of row 0; -100 bans row 1's argmax; row 2 (no bias, same
+    batch) is untouched; a sampled row with a +100 bias draws that token. Logprobs stay the raw ones."""
+    if not use_kernel:
+        monkeypatch.setattr("llmaccel.sampler._kernels_for", lambda logits: None)
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]] * 4)
+    rows = [_row(SamplingParams(temperature=0, logprobs=0, logit_bias={0: 5.0})),
+            _row(SamplingParams(temperature=0, logit_bias={1: -100})),
+            _row(SamplingParams(temperature=0)),
+            _row(SamplingParams(temperature=1.0, logit_bias={3: 100}), generator=_seeded(1))]
+    tokens, logprobs, _ = Sampler(4, torch.device("cpu")).sample(logits, rows)
+    assert tokens == [0, 2, 1, 3]
+    assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
+    assert logits[0].tolist() == [1.0, 3.0, 2.0, 0.0]  # the caller's logits are not changed
+
+
 def test_a_seeded_row_samples_the_same_whatever_shares_its_batch():
     torch.manual_seed(0)
     logits = torch.randn(8, 100)

@@ -31,3 +31,17 @@ def test_defaults_and_normalisation():
     params = SamplingParams(stop="###", top_k=-1, stop_token_ids=[5])
     assert params.stop == ("###",) and params.top_k == 0 and params.stop_token_ids == (5,)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+def test_logit_bias_is_kept_sorted_and_checked():
+    params = SamplingParams(logit_bias={7: -1.5, 2: 100})
+    assert params.logit_bias == ((2, 100.0), (7, -1.5))
+    assert SamplingParams(logit_bias=[(2, 100), (7, -1.5)]) == params
+    for bias, words in (({5: 100.5}, r"logit_bias\[5\] must be in \[-100, 100\]"),
+                        ({-1: 1}, "token id -1 must be >= 0"),
+                        ({"5": 1}, "a logit_bias token id must be an integer"),
+                        ({5: float("nan")}, r"logit_bias\[5\] must be a finite number"),
+                        ({5: "x"}, r"logit_bias\[5\] must be a number"),
+                        ([(5, 1), (5, 2)], "names a token id twice")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(logit_bias=bias)

@@ -152,6 +152,28 @@ def test_extra_sampling_fields_are_honoured(client):
     assert reply.choices[0].text == greedy_like.choices[0].text  # top_k=1 is greedy whatever the temperature
 
 
+def test_logit_bias_through_the_openai_client(server, client):
+    """+100 on one token makes every greedy token it; -100 on the unbiased answer's first token moves it;
+    both endpoints, streamed and not; an id outside the vocabulary is a 400."""
+    tok = server.engine.tokenizer
+    forced = tok.encode(" Paris", add_special_tokens=False)[0]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=4, logprobs=True,
+                                           logit_bias={str(forced): 100}, **GREEDY)
+    assert [t.token for t in reply.choices[0].logprobs.content] == [tok.decode([forced])] * 4
+    assert all(t.logprob < 0 for t in reply.choices[0].logprobs.content)  # the model's own logprobs, not biased
+    plain = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, **GREEDY)
+    first = tok.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6,
+                                       logit_bias={str(first): -100}, **GREEDY)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, logit_bias={str(first): -100}, stream=True,
+        **GREEDY))
+    assert streamed == banned.choices[0].text != plain.choices[0].text
+    assert tok.encode(banned.choices[0].text, add_special_tokens=False)[0] != first
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", logit_bias={"99999": 1})
+
+
 def test_models_version_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]

@@ -176,6 +176,10 @@ class LLMEngine:
         """check_prompt, and the sampling parameters that depend on the model (token ids)."""
         self.check_prompt(token_ids)
         check_token_ids(params.stop_token_ids, self.spec.vocab_size, "stop_token_ids", param="stop_token_ids")
+        for token, _ in params.logit_bias:
+            if token >= self.spec.vocab_size:
+                raise InvalidRequestError(f"logit_bias: token id {token} is outside the vocabulary "
+                                          f"[0, {self.spec.vocab_size})", param="logit_bias")
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.

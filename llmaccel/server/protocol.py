@@ -4,7 +4,7 @@ Requests are validated strictly ("5" is not an integer, 3 is not a temperature, 
 number) so that a bad field gets a 400 that names it. Every number's range comes from the one table
 in llmaccel/bounds.py, which SamplingParams checks too. Unknown fields are ignored with a warning,
 as vLLM does, because client libraries send fields of newer API versions. Fields whose meaning
-llmaccel cannot honour (tools, logit_bias, echo, ...) are rejected rather than silently ignored.
+llmaccel cannot honour (tools, echo, ...) are rejected rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from llmaccel.bounds import RANGES, SEED_MEANING
+from llmaccel.sampling_params import LOGIT_BIAS_LIMIT
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
@@ -50,7 +51,9 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> a number in [-100, 100] added to its logit before sampling; "
+                          "-100 bans the token, 100 all but forces it. Ids lie in [0, vocab).")
     # vLLM-style extras (the openai client sends them through extra_body)
     top_k: int | None = R["top_k"].field(0)
     min_p: float | None = R["min_p"].field(0.0)
@@ -82,9 +85,16 @@ class _Request(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's JSON keys are token ids written as strings: "50256", not "a" or "-1"."""
+        bias = {}
+        for key, number in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids written as strings (e.g. \"50256\"), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {number!r}")
+            bias[int(key)] = number
+        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:

@@ -94,7 +94,8 @@ class OpenAIServing:
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=tuple(request.stop or ()),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-            logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens)
+            logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens,
+            logit_bias=request.logit_bias or {})
 
     def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""

@@ -80,6 +80,13 @@ def test_several_keys_from_flags_a_file_and_the_environment(llama_dir, tmp_path,
         assert post(server, "flag-c").status_code == 401
 
 
+def test_tokenize_and_detokenize_need_the_key(llama_dir):
+    with live_server(llama_dir, api_keys=("k",)) as server:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            assert httpx.post(server.url + path, json=body).status_code == 401
+            assert httpx.post(server.url + path, json=body, headers=bearer("k")).status_code == 200
+
+
 def test_an_empty_key_file_is_refused(tmp_path):
     empty = tmp_path / "keys.txt"
     empty.write_text("# nothing yet\n")

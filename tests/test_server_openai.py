@@ -174,6 +174,35 @@ def test_logit_bias_through_the_openai_client(server, client):
         client.completions.create(model=MODEL_NAME, prompt="hi", logit_bias={"99999": 1})
 
 
+def test_tokenize_and_detokenize_as_vllm_has_them(server, client):
+    """/tokenize gives the ids /v1/completions and /v1/chat/completions would run (the chat reply's usage
+    counts the same prompt), /detokenize gives the text back; bad bodies are 400s naming the field."""
+    import httpx
+
+    tok = server.engine.tokenizer
+    text = "你好，世界 and the quick brown fox"
+    got = httpx.post(server.url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+    assert got["max_model_len"] == server.engine.max_model_len
+    chat = httpx.post(server.url + "/tokenize", json={"model": MODEL_NAME, "messages": QUESTION}).json()
+    assert chat["tokens"] == chat_prompt_ids(server, QUESTION) and chat["token_strs"] is None
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=1)
+    assert reply.usage.prompt_tokens == chat["count"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": tok.decode(got["tokens"])}
+    for path, body, param, words in (
+            ("/tokenize", {"prompt": "a", "messages": QUESTION}, None, "exactly one of prompt and messages"),
+            ("/tokenize", {}, None, "exactly one of prompt and messages"),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model", "does not exist"),
+            ("/detokenize", {"tokens": [1, 99999]}, "tokens", "tokens[1]: token id 99999 is outside the vocabulary"),
+            ("/detokenize", {"tokens": [-1]}, "tokens", "greater than or equal to 0")):
+        answer = httpx.post(server.url + path, json=body)
+        assert answer.status_code == 400, (path, body, answer.text)
+        error = answer.json()["error"]
+        assert words in error["message"] and error["param"] == param, (path, body, error)
+
+
 def test_models_version_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]

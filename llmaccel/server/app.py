@@ -32,7 +32,7 @@ from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.output_guard import GuardConfig, OutputGuard
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
-from llmaccel.server import openapi
+from llmaccel.server import openapi, tokenizing
 from llmaccel.server import protocol as p
 from llmaccel.server.answer import answer
 from llmaccel.server.answer_checks import AnswerChecks
@@ -218,6 +218,18 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
         return await answer(serving(), body, model_for(body.model), request, state)
 
     app.include_router(api)
+
+    @app.post("/tokenize", dependencies=keyed, response_model=tokenizing.TokenizeResponse,
+              responses=openapi.errors(400, *auth_errors, 413, 503))
+    async def tokenize(body: tokenizing.TokenizeRequest) -> tokenizing.TokenizeResponse:
+        model_for(body.model)
+        return tokenizing.tokenize(serving(), body)
+
+    @app.post("/detokenize", dependencies=keyed, response_model=tokenizing.DetokenizeResponse,
+              responses=openapi.errors(400, *auth_errors, 413, 503))
+    async def detokenize(body: tokenizing.DetokenizeRequest) -> tokenizing.DetokenizeResponse:
+        model_for(body.model)
+        return tokenizing.detokenize(serving(), body)
 
     @app.get("/health", response_model=p.HealthStatus,
              responses={503: {"model": p.HealthStatus, "description": "Starting, failed to load, draining or dead."}})

@@ -65,18 +65,23 @@ class OpenAIServing:
         self._flights: dict[str, SharedFlight] = {}
 
     # ---- admission --------------------------------------------------------------------------------
+    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The conversation as the model's chat template writes it."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(turns, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message)
+        except jinja2.TemplateError as exc:  # the template's own raise_exception: a client's conversation
+            raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
+                                      param="messages") from None
+
     def prompts(self, request: AnyRequest) -> list[list[int]]:
         if isinstance(request, p.ChatCompletionRequest):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("this model has no chat template; use /v1/completions")
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in request.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except jinja2.TemplateError as exc:  # the template's own raise_exception: a client's conversation
-                raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
-                                          param="messages") from None
-            return [self.tokenizer.encode(text, add_special_tokens=False)]
+            return [self.tokenizer.encode(self.render_chat(request.messages), add_special_tokens=False)]
         return [self.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else x
                 for x in request.prompt]
 

@@ -90,6 +90,7 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(int, 0, None, meaning="At most max_tokens."),
     "logprobs": Range(int, 0, 20),
     "top_logprobs": Range(int, 0, 20),
+    "prompt_logprobs": Range(int, 0, 20, meaning="Logprobs of each prompt token and the top N there."),
 }
 
 SEED_MEANING = "Any integer; reduced modulo 2**64."

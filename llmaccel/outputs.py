@@ -10,6 +10,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # top-N alternatives: token id -> logprob
+    rank: int | None = None  # 1 + the tokens more likely there (prompt logprobs carry it)
 
 
 @dataclass
@@ -43,4 +44,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[Logprob | None] | None = None
     error: str | None = None  # why the engine failed this request (finish reason "error"), else None

@@ -21,6 +21,8 @@ from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 from llmaccel.spec.verify import accepted_greedy, accepted_sampled
 
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are taken at once: a long prompt's [rows, vocab] stays small
+
 Sampled = tuple[int, Logprob | None, float | None]  # token, its logprobs (if asked), top probability (if asked)
 
 
@@ -30,6 +32,8 @@ class StepResult:
     failed: dict[str, BaseException]  # request id -> why it could not sample
     # with `features`: request id -> (first position, the final hidden states of the rows it ran)
     features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # requests with prompt_logprobs: request id -> (first prompt position, the logprobs of its tokens there on)
+    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class ModelRunner:
         by_request = {item.request.request_id: item for item in output.scheduled}
         hidden, spans = self.forward_spans(spans)
         kept_features = self._features(hidden, spans) if features else {}
+        prompt_logprobs = self._prompt_logprobs(hidden, spans)
         # rows to sample, of the spans that reach their request's last token: every row of a rows span
         # (a draft's verdict needs the target's token there), the last row of a chunk
         sample_rows: list[int] = []
@@ -105,7 +110,7 @@ class ModelRunner:
                 sample_rows.extend(range(offset + len(span.token_ids) - count, offset + len(span.token_ids)))
             offset += len(span.token_ids)
         if not sampled_spans:
-            return StepResult({}, {}, kept_features)
+            return StepResult({}, {}, kept_features, prompt_logprobs)
         device = self.device
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
@@ -143,7 +148,27 @@ class ModelRunner:
                                                            results)
             except Exception as exc:
                 failed[request.request_id] = exc
-        return StepResult(sampled, failed, kept_features)
+        return StepResult(sampled, failed, kept_features, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, list[Logprob]]]:
+        """For the requests that asked: the logprob of each prompt token these spans' rows predict (the row
+        at position p predicts the token at p + 1), with the top N and its rank there."""
+        out, offset = {}, 0
+        for span in spans:
+            request, count = span.request, len(span.token_ids)
+            top_n = request.params.prompt_logprobs
+            end = min(span.start + count, request.num_prompt_tokens - 1)  # rows that predict a prompt token
+            if top_n is not None and span.start < end:
+                items = []
+                for lo in range(0, end - span.start, PROMPT_LOGPROB_ROWS):
+                    rows = hidden[offset + lo:offset + min(lo + PROMPT_LOGPROB_ROWS, end - span.start)]
+                    logits = self.model.compute_logits(rows)[:, :self.sampler.vocab_size].float()
+                    for j, row in enumerate(torch.log_softmax(logits, dim=-1)):
+                        token = request.all_token_ids[span.start + lo + j + 1]
+                        items.append(self.sampler.logprob_of(row, token, top_n, rank=True))
+                out[request.request_id] = (span.start + 1, items)
+            offset += count
+        return out
 
     @staticmethod
     def _features(hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, torch.Tensor]]:

@@ -76,7 +76,7 @@ class Sampler:
         if raw_logprobs is not None:
             for i, row in enumerate(rows):
                 if want_logprobs[i]:
-                    logprobs[i] = self._logprob(raw_logprobs[i], token_list[i], row.params.logprobs or 0)
+                    logprobs[i] = self.logprob_of(raw_logprobs[i], token_list[i], row.params.logprobs or 0)
         return token_list, logprobs, top
 
     @torch.inference_mode()
@@ -154,15 +154,19 @@ class Sampler:
 
     def logprob(self, logits: torch.Tensor, token: int, top_n: int) -> Logprob:
         """The raw logprobs of `token` (and the top `top_n`) under one row of logits, [V]."""
-        return self._logprob(torch.log_softmax(logits[: self.vocab_size].float(), dim=-1), token, top_n)
+        return self.logprob_of(torch.log_softmax(logits[: self.vocab_size].float(), dim=-1), token, top_n)
 
     @staticmethod
-    def _logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> Logprob:
+    def logprob_of(row_logprobs: torch.Tensor, token: int, top_n: int, rank: bool = False) -> Logprob:
+        """`token`'s entry in one row of log-softmaxed logits, with the top `top_n` (and, with `rank`,
+        its rank there: 1 + the tokens more likely)."""
         top: dict[int, float] = {}
         if top_n > 0:
             values, indices = row_logprobs.topk(top_n)
             top = dict(zip(indices.tolist(), values.tolist(), strict=True))
-        return Logprob(token_id=token, logprob=float(row_logprobs[token]), top=top)
+        value = row_logprobs[token]
+        place = int((row_logprobs > value).sum()) + 1 if rank else None
+        return Logprob(token_id=token, logprob=float(value), top=top, rank=place)
 
 
 def draw_reference(probs: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
+    # logprobs of each prompt token after the first, with the top N there (vLLM's prompt_logprobs); such a
+    # request computes its whole prompt: no prefix-cache hit
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> a number added to its logit before sampling (OpenAI's logit_bias; the logprobs stay the
     # model's own, as vLLM's raw logprobs); given as a mapping, kept as (id, bias) pairs sorted by id
@@ -93,7 +96,7 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-_OPTIONAL = {"max_tokens", "logprobs"}  # None: up to the context window / no logprobs
+_OPTIONAL = {"max_tokens", "logprobs", "prompt_logprobs"}  # None: up to the context window / no logprobs
 _RANGED = [f.name for f in fields(SamplingParams) if f.name in RANGES]
 
 

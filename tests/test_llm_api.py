@@ -108,6 +108,29 @@ def test_logit_bias_matches_hfs_sequence_bias(llm, llama_dir):
         llm.generate([ids], SamplingParams(logit_bias={99999: 1}))
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_hf_at_every_position(llm, llama_dir, chunked):
+    """Each prompt token's logprob under HF's logits at the position before it, its top 3 and its rank;
+    None for the first. The same prompt ran before, so its blocks are cached: a prompt_logprobs request
+    computes them anyway. Chunked: a 16-token step budget splits the 43-token prompt into three chunks."""
+    from tests.tiny_models import _hf_model
+
+    engine = LLM(str(llama_dir), max_num_batched_tokens=16) if chunked else llm
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界! " * 3)[:43]
+    engine.generate([ids], SamplingParams(temperature=0, max_tokens=2))
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(_hf_model(llama_dir)(torch.tensor([ids])).logits[0].float(), -1)
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        row = expected[position - 1]
+        assert entry.token_id == ids[position]
+        assert entry.logprob == pytest.approx(float(row[ids[position]]), abs=1e-4)
+        assert list(entry.top) == row.topk(3).indices.tolist()
+        assert entry.rank == int((row > row[ids[position]]).sum()) + 1
+    assert engine.generate([ids], SamplingParams(temperature=0, max_tokens=2))[0].prompt_logprobs is None
+
+
 def test_logprobs_match_hf_log_softmax(llm, llama_dir):
     from tests.tiny_models import _hf_model
 

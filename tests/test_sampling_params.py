@@ -45,3 +45,9 @@ def test_logit_bias_is_kept_sorted_and_checked():
                         ([(5, 1), (5, 2)], "names a token id twice")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(logit_bias=bias)
+
+
+def test_prompt_logprobs_take_the_logprobs_range():
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    with pytest.raises(ValueError, match="prompt_logprobs must be"):
+        SamplingParams(prompt_logprobs=21)

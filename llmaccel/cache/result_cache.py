@@ -26,8 +26,8 @@ from llmaccel.sampling_params import SamplingParams
 
 
 def is_cacheable(params: SamplingParams) -> bool:
-    """Only a deterministic request has one right answer to remember."""
-    return params.n == 1 and (params.greedy or params.seed is not None)
+    """Only a deterministic request has one right answer to remember (prompt logprobs are not kept)."""
+    return params.n == 1 and (params.greedy or params.seed is not None) and params.prompt_logprobs is None
 
 
 def cache_key(variant: str, prompt_token_ids: list[int], params: SamplingParams) -> str:

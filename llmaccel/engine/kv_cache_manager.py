@@ -69,6 +69,8 @@ class KVCacheManager:
         (never all of its tokens). Takes nothing: `allocate_slots` does."""
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return []
+        if request.params.prompt_logprobs is not None:  # every prompt position must run (as in vLLM)
+            return []
         hits = []
         for block_hash_ in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.pool.lookup(block_hash_)

@@ -51,6 +51,9 @@ class Request:
         self.num_preemptions = 0
         self.confidence_sum = 0.0  # top probabilities of its sampling distributions (when the engine records them)
         self.stop_reason: str | int | None = None
+        # with params.prompt_logprobs: filled by prefill, position by position (a recompute rewrites the same)
+        self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
+            else None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 
     @property

@@ -66,4 +66,9 @@ class RequestGroup:
                 mean_confidence=confidence))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.finished, metrics=self.metrics,
-                             num_cached_tokens=self.samples[0].request.num_cached_tokens, error=self.error)
+                             num_cached_tokens=self.samples[0].request.num_cached_tokens, error=self.error,
+                             prompt_logprobs=_copy(self.samples[0].request.prompt_logprobs))
+
+
+def _copy(items: list | None) -> list | None:
+    return list(items) if items is not None else None

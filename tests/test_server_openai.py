@@ -203,6 +203,52 @@ def test_tokenize_and_detokenize_as_vllm_has_them(server, client):
         assert words in error["message"] and error["param"] == param, (path, body, error)
 
 
+def test_echo_and_prompt_logprobs_on_completions(server, client, llama_dir):
+    """echo puts the prompt before the text (a token-id prompt as its text) and, with logprobs, the prompt's
+    tokens before the completion's, the first one's logprob null, the others HF's; streamed, the same text;
+    vLLM's prompt_logprobs gives each prompt token's entry with its rank."""
+    import torch
+
+    from tests.tiny_models import _hf_model
+
+    tok = server.engine.tokenizer
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY).choices[0].text
+    echoed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
+                                       **GREEDY).choices[0]
+    assert echoed.text == prompt + plain
+    with torch.no_grad():
+        expected = torch.log_softmax(_hf_model(llama_dir)(torch.tensor([ids])).logits[0].float(), -1)
+    lp = echoed.logprobs
+    assert lp.tokens[:len(ids)] == [server_token_text(server, t) for t in ids] and len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        assert lp.token_logprobs[position] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+        assert len(lp.top_logprobs[position]) <= 2
+    assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens[:len(ids)]) == prompt
+    assert lp.text_offset[len(ids)] == len(prompt)  # the completion's offsets continue after the prompt
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, echo=True, **GREEDY).choices[0]
+    assert by_ids.text == tok.decode(ids) + plain
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                       extra_body={"ignore_eos": True, "prompt_logprobs": 1}).choices[0]
+    entries = scored.model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for position in range(1, len(ids)):
+        entry = entries[position][str(ids[position])]
+        assert entry["logprob"] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+        assert entry["rank"] == int((expected[position - 1] > expected[position - 1, ids[position]]).sum()) + 1
+        assert entry["decoded_token"] == server_token_text(server, ids[position])
+
+
+def server_token_text(server, token_id: int) -> str:
+    return server.engine.tokenizer.convert_tokens_to_string([server.engine.tokenizer.convert_ids_to_tokens(token_id)])
+
+
 def test_models_version_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]

@@ -183,7 +183,9 @@ class CompletionRequest(_Request):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: int | None = R["max_tokens"].field(16)
     logprobs: int | None = R["logprobs"].field(None)
-    echo: bool | None = False
+    echo: bool | None = Field(False, description="Start each choice's text (and, with logprobs, its logprobs) "
+                                                 "with the prompt.")
+    prompt_logprobs: int | None = R["prompt_logprobs"].field(None)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -205,7 +207,7 @@ class CompletionRequest(_Request):
                 return [list(p) for p in value]
         raise ValueError(f"must be {_PROMPT_SHAPES} (non-empty)")
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _not_supported(cls, value: object, info) -> object:
         if value:
@@ -264,8 +266,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # an echoed prompt's first token: null
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -298,6 +300,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token, null for the first, else token id -> {logprob, rank, decoded_token}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class _Response(BaseModel):

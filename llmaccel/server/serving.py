@@ -33,6 +33,7 @@ from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
 from llmaccel.safety.output_filter import OutputTextFilter
 from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.server import echo
 from llmaccel.server import protocol as p
 from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
 from llmaccel.server.cascade import CascadeRouter, CascadeStream, cascade_route
@@ -100,7 +101,7 @@ class OpenAIServing:
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=tuple(request.stop or ()),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
             logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens,
-            logit_bias=request.logit_bias or {})
+            logit_bias=request.logit_bias or {}, prompt_logprobs=_prompt_logprobs(request))
 
     def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
@@ -192,11 +193,22 @@ class OpenAIServing:
                                                 logprobs=self._chat_logprobs(c.logprobs or [], job),
                                                 finish_reason=c.finish_reason))
                 else:
-                    choices.append(p.CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
-                                                      logprobs=self._completion_logprobs(c.logprobs or [], job)))
+                    choices.append(self._completion_choice(job, i, index, c, last[i]))
         usage = _usage(job, served, last.values())
         kind = p.ChatCompletionResponse if job.is_chat else p.CompletionResponse
         return kind(id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage)
+
+    def _completion_choice(self, job: Job, i: int, index: int, c: CompletionOutput,
+                           output: RequestOutput) -> p.CompletionChoice:
+        text, logprobs = c.text, self._completion_logprobs(c.logprobs or [], job)
+        if job.request.echo:
+            text = echo.prompt_text(self, job, i) + text
+            if logprobs is not None:
+                logprobs = echo.joined(echo.echo_logprobs(self, job, i, output.prompt_logprobs), logprobs)
+        prompt_logprobs = echo.prompt_logprobs_field(self, output.prompt_logprobs) \
+            if job.request.prompt_logprobs is not None else None
+        return p.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs)
 
     async def _finish(self, job: Job, i: int, output: CompletionOutput) -> CompletionOutput:
         if self.answer_checks is None:
@@ -229,6 +241,7 @@ class OpenAIServing:
         last: dict[int, RequestOutput] = {}
         filters: dict[int, OutputTextFilter] = {}
         ended: set[int] = set()
+        echoing, echoed = not job.is_chat and bool(job.request.echo), set()
         if job.is_chat:  # the role comes first, as OpenAI sends it
             yield _sse(self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                           "finish_reason": None} for k in range(n * len(job.streams))]),
@@ -237,13 +250,16 @@ class OpenAIServing:
             with outcome(job.trackers):
                 async for i, output in merged(job):
                     last[i] = output
-                    choices, reports = [], []
+                    choices, reports, echoes = [], [], []
                     for c in output.outputs:
                         index = i * n + c.index
                         if index in ended:
                             continue
                         new_logprobs = (c.logprobs or [])[sent_tokens.get(index, 0):]
                         sent_tokens[index] = len(c.token_ids)
+                        if echoing and index not in echoed and (c.token_ids or c.finish_reason):
+                            echoed.add(index)  # the prefill is done: its prompt logprobs are in
+                            echoes.append(self._echo_chunk_choice(job, i, index, output))
                         c = self._filter_delta(filters, index, c)
                         if c.finish_reason:
                             ended.add(index)
@@ -252,6 +268,8 @@ class OpenAIServing:
                                 reports.append(report.as_dict())
                         if c.delta_text or c.finish_reason or new_logprobs:
                             choices.append(self._chunk_choice(job, index, c, new_logprobs))
+                    if echoes:  # a chunk of its own, before the choice's first tokens
+                        yield _sse(self._chunk(job, echoes), **usage_field)
                     if choices:
                         yield _sse(self._chunk(job, choices), **usage_field, **({"guard": reports} if reports else {}))
                     if len(ended) == n * len(job.streams):
@@ -308,6 +326,13 @@ class OpenAIServing:
         return {"index": index, "text": c.delta_text, "logprobs": None if logprobs is None else logprobs.model_dump(),
                 "finish_reason": c.finish_reason}
 
+    def _echo_chunk_choice(self, job: Job, i: int, index: int, output: RequestOutput) -> dict:
+        """An echoed choice's first chunk: its prompt (and the prompt's logprobs, when asked)."""
+        logprobs = echo.echo_logprobs(self, job, i, output.prompt_logprobs) if job.request.num_logprobs is not None \
+            else None
+        return {"index": index, "text": echo.prompt_text(self, job, i),
+                "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": None}
+
     def _chat_logprobs(self, logprobs: list[Logprob], job: Job) -> p.ChatLogprobs | None:
         if job.request.num_logprobs is None:
             return None
@@ -340,6 +365,14 @@ class OpenAIServing:
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+
+def _prompt_logprobs(request: AnyRequest) -> int | None:
+    """vLLM's prompt_logprobs; an echo with logprobs needs the prompt's too."""
+    asked = getattr(request, "prompt_logprobs", None)
+    if getattr(request, "echo", False) and request.num_logprobs is not None:
+        return max(asked or 0, request.num_logprobs)
+    return asked
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:

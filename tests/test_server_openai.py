@@ -243,6 +243,12 @@ def test_echo_and_prompt_logprobs_on_completions(server, client, llama_dir):
         assert entry["logprob"] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
         assert entry["rank"] == int((expected[position - 1] > expected[position - 1, ids[position]]).sum()) + 1
         assert entry["decoded_token"] == server_token_text(server, ids[position])
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_ids = chat_prompt_ids(server, QUESTION)
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == len(chat_ids) and entries[0] is None
+    assert [next(iter(e)) for e in entries[1:]] == [str(t) for t in chat_ids[1:]]  # N = 0: the token alone
 
 
 def server_token_text(server, token_id: int) -> str:

@@ -62,6 +62,7 @@ class _Request(BaseModel):
     min_tokens: int | None = R["min_tokens"].field(0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids in [0, vocab).")
     skip_special_tokens: bool | None = True
+    prompt_logprobs: int | None = R["prompt_logprobs"].field(None)
     # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
     result_cache: bool | None = True
 
@@ -185,7 +186,6 @@ class CompletionRequest(_Request):
     logprobs: int | None = R["logprobs"].field(None)
     echo: bool | None = Field(False, description="Start each choice's text (and, with logprobs, its logprobs) "
                                                  "with the prompt.")
-    prompt_logprobs: int | None = R["prompt_logprobs"].field(None)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -316,6 +316,8 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    # vLLM's, with prompt_logprobs: the rendered conversation's tokens, as on a completion's choice
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -195,8 +195,13 @@ class OpenAIServing:
                 else:
                     choices.append(self._completion_choice(job, i, index, c, last[i]))
         usage = _usage(job, served, last.values())
-        kind = p.ChatCompletionResponse if job.is_chat else p.CompletionResponse
-        return kind(id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage)
+        if job.is_chat:
+            prompt_logprobs = echo.prompt_logprobs_field(self, last[0].prompt_logprobs) \
+                if job.request.prompt_logprobs is not None else None
+            return p.ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                                            usage=usage, prompt_logprobs=prompt_logprobs)
+        return p.CompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                                    usage=usage)
 
     def _completion_choice(self, job: Job, i: int, index: int, c: CompletionOutput,
                            output: RequestOutput) -> p.CompletionChoice:

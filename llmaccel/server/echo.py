@@ -1,4 +1,5 @@
-"""A completion's `echo` and `prompt_logprobs`, in the shapes of OpenAI's legacy completions and vLLM.
+"""A completion's `echo` and `prompt_logprobs`, in the shapes of OpenAI's legacy completions and vLLM
+(`shapes`: the server's Shapes, server/shapes.py: its tokenizer and token texts).
 
 `echo`: each choice's text starts with its prompt (a token-id prompt as its decoded text); with
 `logprobs`, the prompt's tokens lead the choice's logprobs, the first with null logprobs (nothing
@@ -12,19 +13,19 @@ from llmaccel.outputs import Logprob
 from llmaccel.server import protocol as p
 
 
-def prompt_text(serving, job, i: int) -> str:
+def prompt_text(shapes, job, i: int) -> str:
     """Prompt i of a completion job as text."""
     prompt = job.request.prompt[i]
-    return prompt if isinstance(prompt, str) else serving.tokenizer.decode(prompt)
+    return prompt if isinstance(prompt, str) else shapes.tokenizer.decode(prompt)
 
 
-def echo_logprobs(serving, job, i: int, entries: list[Logprob | None] | None) -> p.CompletionLogprobs:
+def echo_logprobs(shapes, job, i: int, entries: list[Logprob | None] | None) -> p.CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its tokens, the first one's logprob null."""
     out = p.CompletionLogprobs()
     offset = 0
     for position, token in enumerate(job.prompt_ids[i]):
         entry = entries[position] if entries is not None and position < len(entries) else None
-        text = serving.token_text(token)
+        text = shapes.token_text(token)
         out.tokens.append(text)
         out.token_logprobs.append(entry.logprob if entry is not None else None)
         if entry is None:
@@ -32,7 +33,7 @@ def echo_logprobs(serving, job, i: int, entries: list[Logprob | None] | None) ->
         else:
             top: dict[str, float] = {}
             for token_id, value in entry.top.items():
-                top.setdefault(serving.token_text(token_id), value)
+                top.setdefault(shapes.token_text(token_id), value)
             out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
@@ -50,7 +51,7 @@ def joined(head: p.CompletionLogprobs, tail: p.CompletionLogprobs | None) -> p.C
                                 text_offset=head.text_offset + [start + o for o in tail.text_offset])
 
 
-def prompt_logprobs_field(serving, entries: list[Logprob | None] | None) -> list[dict | None] | None:
+def prompt_logprobs_field(shapes, entries: list[Logprob | None] | None) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: null for the first token, then the token's and the top N's entries."""
     if entries is None:
         return None
@@ -62,6 +63,6 @@ def prompt_logprobs_field(serving, entries: list[Logprob | None] | None) -> list
         ranked = {entry.token_id: (entry.logprob, entry.rank)}
         for place, (token_id, value) in enumerate(entry.top.items(), start=1):
             ranked.setdefault(token_id, (value, place))
-        out.append({str(token_id): {"logprob": value, "rank": rank, "decoded_token": serving.token_text(token_id)}
+        out.append({str(token_id): {"logprob": value, "rank": rank, "decoded_token": shapes.token_text(token_id)}
                     for token_id, (value, rank) in ranked.items()})
     return out

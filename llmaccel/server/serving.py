@@ -20,7 +20,6 @@ from pydantic import BaseModel
 from llmaccel.bounds import check_token_ids
 from llmaccel.cache.result_cache import ResultCache, cache_key, is_cacheable
 from llmaccel.engine.async_engine import AsyncEngine
-from llmaccel.engine.detokenizer import token_bytes_function
 from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import (
     EngineDeadError,
@@ -29,7 +28,7 @@ from llmaccel.errors import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
+from llmaccel.outputs import CompletionOutput, RequestOutput
 from llmaccel.safety.output_filter import OutputTextFilter
 from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
@@ -42,6 +41,7 @@ from llmaccel.server.job import AnyRequest, Job, Stream, merged, outcome
 from llmaccel.server.metrics import NullTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.result_streams import ReplayStream, SharedFlight
+from llmaccel.server.shapes import Shapes
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.token_bytes = token_bytes_function(tokenizer)
+        self.shapes = Shapes(tokenizer)  # logprobs, stream chunks and echo in the API's shapes
         self.result_cache = result_cache
         self.variant = variant  # the model variant, part of every result-cache key
         self.prompt_checks = prompt_checks  # size, well-formed text and the input filter, before tokenizing
@@ -190,30 +190,18 @@ class OpenAIServing:
                 index = i * n + c.index
                 if job.is_chat:
                     choices.append(p.ChatChoice(index=index, message=p.AssistantMessage(content=c.text),
-                                                logprobs=self._chat_logprobs(c.logprobs or [], job),
+                                                logprobs=self.shapes.chat_logprobs(c.logprobs or [], job),
                                                 finish_reason=c.finish_reason))
                 else:
-                    choices.append(self._completion_choice(job, i, index, c, last[i]))
+                    choices.append(self.shapes.completion_choice(job, i, index, c, last[i]))
         usage = _usage(job, served, last.values())
         if job.is_chat:
-            prompt_logprobs = echo.prompt_logprobs_field(self, last[0].prompt_logprobs) \
+            prompt_logprobs = echo.prompt_logprobs_field(self.shapes, last[0].prompt_logprobs) \
                 if job.request.prompt_logprobs is not None else None
             return p.ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
                                             usage=usage, prompt_logprobs=prompt_logprobs)
         return p.CompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
                                     usage=usage)
-
-    def _completion_choice(self, job: Job, i: int, index: int, c: CompletionOutput,
-                           output: RequestOutput) -> p.CompletionChoice:
-        text, logprobs = c.text, self._completion_logprobs(c.logprobs or [], job)
-        if job.request.echo:
-            text = echo.prompt_text(self, job, i) + text
-            if logprobs is not None:
-                logprobs = echo.joined(echo.echo_logprobs(self, job, i, output.prompt_logprobs), logprobs)
-        prompt_logprobs = echo.prompt_logprobs_field(self, output.prompt_logprobs) \
-            if job.request.prompt_logprobs is not None else None
-        return p.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs)
 
     async def _finish(self, job: Job, i: int, output: CompletionOutput) -> CompletionOutput:
         if self.answer_checks is None:
@@ -248,9 +236,9 @@ class OpenAIServing:
         ended: set[int] = set()
         echoing, echoed = not job.is_chat and bool(job.request.echo), set()
         if job.is_chat:  # the role comes first, as OpenAI sends it
-            yield _sse(self._chunk(job, [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                          "finish_reason": None} for k in range(n * len(job.streams))]),
-                       **usage_field)
+            roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for k in range(n * len(job.streams))]
+            yield _sse(self.shapes.chunk(job, roles), **usage_field)
         try:
             with outcome(job.trackers):
                 async for i, output in merged(job):
@@ -264,7 +252,7 @@ class OpenAIServing:
                         sent_tokens[index] = len(c.token_ids)
                         if echoing and index not in echoed and (c.token_ids or c.finish_reason):
                             echoed.add(index)  # the prefill is done: its prompt logprobs are in
-                            echoes.append(self._echo_chunk_choice(job, i, index, output))
+                            echoes.append(self.shapes.echo_chunk_choice(job, i, index, output))
                         c = self._filter_delta(filters, index, c)
                         if c.finish_reason:
                             ended.add(index)
@@ -272,11 +260,12 @@ class OpenAIServing:
                             if report is not None:
                                 reports.append(report.as_dict())
                         if c.delta_text or c.finish_reason or new_logprobs:
-                            choices.append(self._chunk_choice(job, index, c, new_logprobs))
+                            choices.append(self.shapes.chunk_choice(job, index, c, new_logprobs))
                     if echoes:  # a chunk of its own, before the choice's first tokens
-                        yield _sse(self._chunk(job, echoes), **usage_field)
+                        yield _sse(self.shapes.chunk(job, echoes), **usage_field)
                     if choices:
-                        yield _sse(self._chunk(job, choices), **usage_field, **({"guard": reports} if reports else {}))
+                        guard = {"guard": reports} if reports else {}
+                        yield _sse(self.shapes.chunk(job, choices), **usage_field, **guard)
                     if len(ended) == n * len(job.streams):
                         break  # every choice ended (the output filter may stop one before the engine does)
         except (RequestTimeoutError, EngineDeadError, RequestFailedError) as exc:
@@ -292,7 +281,7 @@ class OpenAIServing:
             return
         if include_usage:
             served = [c for out in last.values() for c in out.outputs]
-            yield _sse(self._chunk(job, []), usage=_usage(job, served, last.values()).model_dump())
+            yield _sse(self.shapes.chunk(job, []), usage=_usage(job, served, last.values()).model_dump())
         yield "data: [DONE]\n\n"
 
     def _filter_delta(self, filters: dict[int, OutputTextFilter], index: int, c: CompletionOutput) -> CompletionOutput:
@@ -311,65 +300,6 @@ class OpenAIServing:
         if self.answer_checks is None:
             return None
         return _record(job, i, await self.answer_checks.review_stream(job.prompt_ids[i], job.params[i], c))
-
-    # ---- shapes -----------------------------------------------------------------------------------
-    # Stream chunks are built as the dicts that ChatCompletionChunk / CompletionResponse dump to (same
-    # keys, same order, so the same bytes): the pydantic models and their dump cost ~25 us a chunk, a
-    # fifth of the event loop's time with 64 streams (tests/test_server_openai.py checks the shapes).
-    def _chunk(self, job: Job, choices: list[dict]) -> dict:
-        return {"id": job.response_id, "object": "chat.completion.chunk" if job.is_chat else "text_completion",
-                "created": job.created, "model": job.model, "choices": choices, "usage": None,
-                "system_fingerprint": None}
-
-    def _chunk_choice(self, job: Job, index: int, c: CompletionOutput, new_logprobs: list[Logprob]) -> dict:
-        if job.is_chat:
-            logprobs = self._chat_logprobs(new_logprobs, job) if new_logprobs else None
-            content = c.delta_text if c.delta_text or not c.finish_reason else None
-            return {"index": index, "delta": {} if content is None else {"content": content},
-                    "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": c.finish_reason}
-        logprobs = self._completion_logprobs(new_logprobs, job) if new_logprobs else None
-        return {"index": index, "text": c.delta_text, "logprobs": None if logprobs is None else logprobs.model_dump(),
-                "finish_reason": c.finish_reason}
-
-    def _echo_chunk_choice(self, job: Job, i: int, index: int, output: RequestOutput) -> dict:
-        """An echoed choice's first chunk: its prompt (and the prompt's logprobs, when asked)."""
-        logprobs = echo.echo_logprobs(self, job, i, output.prompt_logprobs) if job.request.num_logprobs is not None \
-            else None
-        return {"index": index, "text": echo.prompt_text(self, job, i),
-                "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": None}
-
-    def _chat_logprobs(self, logprobs: list[Logprob], job: Job) -> p.ChatLogprobs | None:
-        if job.request.num_logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            raw = self.token_bytes(token_id)
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-        return p.ChatLogprobs(content=[
-            p.TokenLogprob(**entry(lp.token_id, lp.logprob),
-                           top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
-            for lp in logprobs])
-
-    def token_text(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
-
-    def _completion_logprobs(self, logprobs: list[Logprob], job: Job) -> p.CompletionLogprobs | None:
-        if job.request.num_logprobs is None:
-            return None
-        out = p.CompletionLogprobs()
-        offset = 0
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            top: dict[str, float] = {}
-            for token_id, value in lp.top.items():  # most likely first; pieces that read alike keep the first
-                top.setdefault(self.token_text(token_id), value)
-            out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
 
 
 def _prompt_logprobs(request: AnyRequest) -> int | None:

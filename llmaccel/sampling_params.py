@@ -43,7 +43,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((tuple(pair) for pair in bias), key=lambda p: p[0])))
+        object.__setattr__(self, "logit_bias", tuple(bias))  # checked, then sorted by id, in _validate
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
@@ -72,7 +72,7 @@ class SamplingParams:
             _check_kind("seed", self.seed, int)
         biases = []
         for pair in self.logit_bias:
-            if len(pair) != 2:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
             token, bias = pair
             _check_kind("a logit_bias token id", token, int)
@@ -85,7 +85,7 @@ class SamplingParams:
             biases.append((token, bias))  # floats: 1 and 1.0 are one bias (and one result-cache key)
         if len({token for token, _ in biases}) != len(biases):
             raise ValueError("logit_bias names a token id twice")
-        object.__setattr__(self, "logit_bias", tuple(biases))
+        object.__setattr__(self, "logit_bias", tuple(sorted(biases)))
 
     @property
     def greedy(self) -> bool:

@@ -42,7 +42,9 @@ def test_logit_bias_is_kept_sorted_and_checked():
                         ({"5": 1}, "a logit_bias token id must be an integer"),
                         ({5: float("nan")}, r"logit_bias\[5\] must be a finite number"),
                         ({5: "x"}, r"logit_bias\[5\] must be a number"),
-                        ([(5, 1), (5, 2)], "names a token id twice")):
+                        ([(5, 1), (5, 2)], "names a token id twice"),
+                        ([5], "must map token ids to numbers"),
+                        ([("a", 1), (3, 1)], "a logit_bias token id must be an integer")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(logit_bias=bias)
 

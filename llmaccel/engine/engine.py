@@ -278,10 +278,10 @@ class LLMEngine:
             results = self.runner.execute(scheduled, self.record_confidence, drafts, features)
             if features:
                 self.drafter.observe(results.features)
-            for item in scheduled.scheduled:  # a prefill's prompt logprobs, for the requests that asked
-                if item.request.request_id in results.prompt_logprobs:
-                    first, items = results.prompt_logprobs[item.request.request_id]
-                    item.request.prompt_logprobs[first:first + len(items)] = items
+            if results.prompt_logprobs:  # a prefill's prompt logprobs, for the requests that asked
+                by_id = {item.request.request_id: item.request for item in scheduled.scheduled}
+                for request_id, (first, items) in results.prompt_logprobs.items():
+                    by_id[request_id].prompt_logprobs[first:first + len(items)] = items
         except Exception as exc:
             self.last_step_failed = True
             self.num_failed_steps += 1

@@ -21,23 +21,10 @@ def prompt_text(shapes, job, i: int) -> str:
 
 def echo_logprobs(shapes, job, i: int, entries: list[Logprob | None] | None) -> p.CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its tokens, the first one's logprob null."""
-    out = p.CompletionLogprobs()
-    offset = 0
-    for position, token in enumerate(job.prompt_ids[i]):
-        entry = entries[position] if entries is not None and position < len(entries) else None
-        text = shapes.token_text(token)
-        out.tokens.append(text)
-        out.token_logprobs.append(entry.logprob if entry is not None else None)
-        if entry is None:
-            out.top_logprobs.append(None)
-        else:
-            top: dict[str, float] = {}
-            for token_id, value in entry.top.items():
-                top.setdefault(shapes.token_text(token_id), value)
-            out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out
+    prompt = job.prompt_ids[i]
+    known = entries if entries is not None else []
+    return shapes.completion_entries([(token, known[position] if position < len(known) else None)
+                                      for position, token in enumerate(prompt)])
 
 
 def joined(head: p.CompletionLogprobs, tail: p.CompletionLogprobs | None) -> p.CompletionLogprobs:

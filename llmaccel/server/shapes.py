@@ -73,15 +73,22 @@ class Shapes:
     def completion_logprobs(self, logprobs: list[Logprob], job: Job) -> p.CompletionLogprobs | None:
         if job.request.num_logprobs is None:
             return None
+        return self.completion_entries([(lp.token_id, lp) for lp in logprobs])
+
+    def completion_entries(self, entries: list[tuple[int, Logprob | None]]) -> p.CompletionLogprobs:
+        """Legacy completions' logprobs of these tokens; a token without a Logprob (an echoed prompt's
+        first) gets nulls."""
         out = p.CompletionLogprobs()
         offset = 0
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
+        for token, lp in entries:
+            text = self.token_text(token)
             out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            top: dict[str, float] = {}
-            for token_id, value in lp.top.items():  # most likely first; pieces that read alike keep the first
-                top.setdefault(self.token_text(token_id), value)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            top: dict[str, float] | None = None
+            if lp is not None:
+                top = {}
+                for token_id, value in lp.top.items():  # most likely first; pieces that read alike keep the first
+                    top.setdefault(self.token_text(token_id), value)
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)

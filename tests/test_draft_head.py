@@ -191,6 +191,7 @@ def test_an_interrupted_head_run_resumes_where_it_stopped(setup, tmp_path, corpu
     (dict(minutes=None, max_steps=None), "needs a budget"),
     (dict(draft_vocab=0), "--draft-vocab must be at least 1"),
     (dict(corpora=("nowhere.txt",)), "neither a file nor one of"),
+    (dict(dtype="float8"), "--dtype 'float8': choose auto, float32 or bfloat16"),
 ])
 def test_bad_head_settings_are_refused_with_their_name(tmp_path, setup, corpus_file, overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from llmaccel.config import DEFAULT_MODEL
 from llmaccel.distill.corpus import CORPUS_NAMES, check_corpus_names, heldout_windows, token_corpora, training_batch
 from llmaccel.distill.head_model import TrainableHead, head_spec, save_head
-from llmaccel.distill.train import _training_dtype, check_resumable, learning_rate
+from llmaccel.distill.train import _training_dtype, check_resumable, check_run_settings, learning_rate
 from llmaccel.spec.draft_vocab import frequent_tokens, write_token_counts
 
 DEFAULT_CORPORA = ("self-chat", "chat-greedy")
@@ -63,18 +63,13 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         check_corpus_names(list(self.corpora))
-        if self.minutes is None and self.max_steps is None:
-            raise ValueError("give --minutes or --max-steps (or both): the run needs a budget")
-        for name, value in (("--minutes", self.minutes), ("--lr", self.lr),
-                            ("--checkpoint-minutes", self.checkpoint_minutes)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name, value in (("--max-steps", self.max_steps), ("--batch-size", self.batch_size),
-                            ("--seq-len", self.seq_len), ("--draft-vocab", self.draft_vocab),
-                            ("--eval-windows", self.eval_windows),
-                            ("--self-chat-conversations", self.self_chat_conversations)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        check_run_settings(self.minutes, self.max_steps, self.dtype,
+                           positive=(("--minutes", self.minutes), ("--lr", self.lr),
+                                     ("--checkpoint-minutes", self.checkpoint_minutes)),
+                           at_least_one=(("--max-steps", self.max_steps), ("--batch-size", self.batch_size),
+                                         ("--seq-len", self.seq_len), ("--draft-vocab", self.draft_vocab),
+                                         ("--eval-windows", self.eval_windows),
+                                         ("--self-chat-conversations", self.self_chat_conversations)))
         if self.feature_weight < 0 or self.noise < 0:
             raise ValueError("--feature-weight and --noise must not be negative")
 

@@ -68,20 +68,30 @@ class DistillConfig:
         if self.layer_choice not in LAYER_CHOICES:
             raise ValueError(f"--layer-choice {self.layer_choice!r}: choose {' or '.join(LAYER_CHOICES)}")
         check_corpus_names(list(self.corpora))
-        if self.minutes is None and self.max_steps is None:
-            raise ValueError("give --minutes or --max-steps (or both): the run needs a budget")
-        for name, value in (("--minutes", self.minutes), ("--checkpoint-minutes", self.checkpoint_minutes),
-                            ("--lr", self.lr), ("--temperature", self.temperature)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name, value in (("--max-steps", self.max_steps), ("--batch-size", self.batch_size),
-                            ("--seq-len", self.seq_len), ("--eval-windows", self.eval_windows)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        check_run_settings(self.minutes, self.max_steps, self.dtype,
+                           positive=(("--minutes", self.minutes), ("--checkpoint-minutes", self.checkpoint_minutes),
+                                     ("--lr", self.lr), ("--temperature", self.temperature)),
+                           at_least_one=(("--max-steps", self.max_steps), ("--batch-size", self.batch_size),
+                                         ("--seq-len", self.seq_len), ("--eval-windows", self.eval_windows)))
         if not 0.0 <= self.kl_weight <= 1.0:
             raise ValueError(f"--kl-weight must be in [0, 1], got {self.kl_weight}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
+
+
+def check_run_settings(minutes: float | None, max_steps: int | None, dtype: str,
+                       positive: tuple[tuple[str, float | None], ...],
+                       at_least_one: tuple[tuple[str, int | None], ...]) -> None:
+    """What the flags of every training run (distill, distill-head) must hold: a budget, positive rates
+    and durations, counts of at least 1 (None: not given), a dtype the trainers know."""
+    if minutes is None and max_steps is None:
+        raise ValueError("give --minutes or --max-steps (or both): the run needs a budget")
+    for name, value in positive:
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    for name, value in at_least_one:
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"--dtype {dtype!r}: choose auto, float32 or bfloat16")
 
 
 @dataclass

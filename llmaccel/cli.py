@@ -158,6 +158,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("spec", "speculative", "speculative decoding (draft models, ngram) against plain decoding in one process: "
      "tokens/s on a lone request, a copy-heavy one and a batch, and whether the outputs stayed identical",
      "add_arguments", "run"),
+    ("structured", "structured", "what grammar-constrained requests (structured outputs) cost a batch of 64: "
+     "tokens/s with half of them constrained against none, and the mask time per step", "add_arguments", "run"),
     ("multiturn", "multiturn", "multi-turn chats with prefix caching off and on: prefill computed, throughput",
      "add_arguments", "run"),
     ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "

@@ -229,6 +229,7 @@ class ServerConfig:
     cascade_small: str | None = None  # a smaller model with the same tokenizer answers each request first
     cascade_threshold: float | None = None  # ... and the model answers when its confidence is below this
     cascade_decide_tokens: int = 32  # the confidence: mean log-probability of the small answer's first N tokens
+    tool_call_parser: str = "hermes"  # reads tool calls out of the model's text (structured/tool_parsers.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -260,6 +261,10 @@ class ServerConfig:
                              "below which the model answers instead (`llmaccel bench cascade` plots the choices)")
         if self.cascade_threshold is not None and math.isnan(self.cascade_threshold):
             raise ValueError("the cascade threshold must be a number (a mean log-probability, e.g. -0.8)")
+        from llmaccel.structured.tool_parsers import TOOL_PARSERS  # config stays import-light
+
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
         if self.cascade_decide_tokens < 1:
             raise ValueError(f"the cascade must decide on at least 1 token, got {self.cascade_decide_tokens}")
         for name in ("rate_limit_requests", "rate_limit_tokens"):

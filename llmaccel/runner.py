@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 from llmaccel.spec.verify import accepted_greedy, accepted_sampled
+from llmaccel.structured.compiler import GrammarCompiler
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are taken at once: a long prompt's [rows, vocab] stays small
 
@@ -61,6 +63,11 @@ class ModelRunner:
         self.kv_caches = [(slab[i, 0], slab[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, device)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars: GrammarCompiler | None = None  # the engine's, for requests with structured outputs
+        self._mask_worker: ThreadPoolExecutor | None = None
+        # fill grammar masks on a worker thread during the forward pass, else just before it: on a CPU the
+        # forward pass has every core already (bench structured: no gain from overlap on 2 cores)
+        self.overlap_masks = device.type != "cpu"
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The zeroed KV pool. On the CPU it is one anonymous mmap: the OS zero-fills its pages on first
@@ -95,6 +102,7 @@ class ModelRunner:
             else:
                 spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
         by_request = {item.request.request_id: item for item in output.scheduled}
+        masks = self._start_masks(output, drafts)
         hidden, spans = self.forward_spans(spans)
         kept_features = self._features(hidden, spans) if features else {}
         prompt_logprobs = self._prompt_logprobs(hidden, spans)
@@ -116,11 +124,21 @@ class ModelRunner:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
         logits = self.model.compute_logits(hidden)
         rows, keep, owners, failed = [], [], [], {}
+        mask_rows, mask = masks if masks is not None else ({}, None)
+        try:
+            mask = mask.result() if mask is not None else None
+        except Exception as exc:  # a grammar's fault fails the constrained requests, not the step
+            failed.update(dict.fromkeys(mask_rows, exc))
         for span, first in sampled_spans:  # a row that cannot be built fails its request alone
             request = span.request
             proposal = span.token_ids[1:] if span.as_rows else []
+            if request.request_id in failed:
+                continue
             try:
                 built = [self.sampling_row(request, proposal[:j]) for j in range(len(proposal) + 1)]
+                if request.request_id in mask_rows:
+                    for j, row in enumerate(built):
+                        row.allowed = mask[mask_rows[request.request_id] + j]
             except Exception as exc:
                 failed[request.request_id] = exc
                 continue
@@ -149,6 +167,32 @@ class ModelRunner:
             except Exception as exc:
                 failed[request.request_id] = exc
         return StepResult(sampled, failed, kept_features, prompt_logprobs)
+
+    def _start_masks(self, output: SchedulerOutput, drafts: Mapping[str, list[int]]
+                     ) -> tuple[dict[str, int], Future] | None:
+        """For the requests with a grammar that sample this step: their first mask row (one row per
+        token they sample: the next one and one after each draft), and the masks, filled on a worker
+        thread while the forward pass runs. None when no such request runs."""
+        places, requests, num_rows = {}, [], 0
+        for item in output.scheduled:
+            request = item.request
+            if item.samples and request.grammar is not None:
+                proposal = drafts.get(request.request_id, []) if item.num_new_tokens == 1 else []
+                places[request.request_id] = num_rows
+                requests.append((request.grammar, num_rows, proposal))
+                num_rows += 1 + len(proposal)
+        if not requests:
+            return None
+        if not self.overlap_masks:
+            done: Future = Future()
+            try:
+                done.set_result(self.grammars.fill(requests, num_rows))
+            except Exception as exc:
+                done.set_exception(exc)
+            return places, done
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return places, self._mask_worker.submit(self.grammars.fill, requests, num_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, list[Logprob]]]:
         """For the requests that asked: the logprob of each prompt token these spans' rows predict (the row

@@ -1,13 +1,14 @@
 """Batched sampling: one call per step for every row that samples.
 
 Order, as in vLLM: raw logprobs (if asked) -> penalties -> logit_bias -> min_tokens suppression ->
-greedy rows take the argmax -> other rows: temperature, top-k, top-p, min-p, then one draw by the
-inverse CDF: a uniform number u per row, and the first token (in vocabulary order) at which the kept
-probabilities' running sum passes u times their total. Rows with a seed draw u from their own generator, so what
-they sample does not depend on who else is in the batch. On the CPU one C++ call does all of it for
-the batch (ops/csrc/sampling.cpp: no sort of the vocabulary, no random number per token; 6-35x
-faster than the exponential race over a sorted vocabulary it replaced, tools/sampler_bench.py). The
-torch path below runs on other devices, and the tests hold the two to the same token.
+a grammar's mask (structured outputs) -> greedy rows take the argmax -> other rows: temperature,
+top-k, top-p, min-p, then one draw by the inverse CDF: a uniform number u per row, and the first
+token (in vocabulary order) at which the kept probabilities' running sum passes u times their total.
+Rows with a seed draw u from their own generator, so what they sample does not depend on who else
+is in the batch. On the CPU one C++ call does all of it for the batch (ops/csrc/sampling.cpp: no
+sort of the vocabulary, no random number per token; 6-35x faster than the exponential race over a
+sorted vocabulary it replaced, tools/sampler_bench.py). The torch path below runs on other devices,
+and the tests hold the two to the same token.
 
 `distribution` gives the distribution a row's token is drawn from (a greedy row's at temperature 1),
 by the same code; the output guard compares it with a reference. With `confidence`, `sample` also
@@ -25,6 +26,7 @@ import torch
 from llmaccel.ops.cpu_kernels import checked_kernels
 from llmaccel.outputs import Logprob
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.structured.compiler import unpack_masks
 
 
 @dataclass
@@ -34,6 +36,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     suppress_token_ids: tuple[int, ...] = ()  # EOS/stop ids while fewer than min_tokens were generated
+    allowed: torch.Tensor | None = None  # a grammar's bitmask of the tokens allowed here, int32 [ceil(V / 32)]
 
 
 def sampling_row(params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
@@ -59,7 +62,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._adjust(logits, rows)
+        # without logprobs no one reads these logits raw again: the grammar masks may go onto them in place
+        logits = self._adjust(logits, rows, masks_in_place=raw_logprobs is None)
         all_greedy = all(r.params.greedy for r in rows)  # known on the host: no device sync
         kernels = _kernels_for(logits)
         tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
@@ -86,21 +90,29 @@ class Sampler:
         probs = self._probs(self._adjust(logits[:, : self.vocab_size], rows), rows, truncate)
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Penalties, logit_bias and min_tokens suppression (a new tensor when anything changes)."""
+    def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow], masks_in_place: bool = False) -> torch.Tensor:
+        """Penalties, logit_bias, min_tokens suppression and grammar masks (a new tensor when anything
+        changes; with `masks_in_place`, masks alone go onto `logits` itself: a mask applied twice is the
+        same, so a later pass over the same logits, such as a draft's verification, still sees the
+        model's choice, but its raw logprobs are gone)."""
+        owned = False
         if any(r.params.uses_penalties for r in rows):
-            logits = self._apply_penalties(logits.clone(), rows)
+            logits, owned = self._apply_penalties(logits.clone(), rows), True
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < self.vocab_size]
         if bias:
-            logits = logits.clone()
+            logits, owned = logits.clone(), True
             where, tokens, values = zip(*bias, strict=True)
             logits[list(where), list(tokens)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
         suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids
                     if 0 <= t < self.vocab_size]
         if suppress:
-            logits = logits.clone()
+            logits, owned = logits.clone(), True
             index = torch.tensor(suppress, device=logits.device)
             logits[index[:, 0], index[:, 1]] = float("-inf")
+        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if constrained:
+            target = logits if owned or masks_in_place else logits.clone()
+            logits = apply_masks(target, constrained, torch.stack([rows[i].allowed for i in constrained]))
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -167,6 +179,37 @@ class Sampler:
         value = row_logprobs[token]
         place = int((row_logprobs > value).sum()) + 1 if rank else None
         return Logprob(token_id=token, logprob=float(value), top=top, rank=place)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> torch.Tensor:
+    """Grammar bitmasks (int32 [len(rows), words]) onto those rows of `logits`, in place: -inf where a
+    token's bit is clear. The C++ kernel on the CPU, torch elsewhere."""
+    kernels = mask_kernels() if _kernels_for(logits) is not None else None
+    if kernels is not None:
+        kernels.mask_rows_(logits, torch.tensor(rows, dtype=torch.long), masks)
+        return logits
+    allowed = unpack_masks(masks, logits.shape[-1]).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def _check_mask_kernel(kernels) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, 32), generator=gen, dtype=torch.int32)
+    masks[0, :4], masks[1, 5:9] = 0, -1  # the fill and the skip
+    want = logits.clone()
+    want[[4, 0, 2]] = want[[4, 0, 2]].masked_fill(~unpack_masks(masks, 1000), float("-inf"))
+    got = logits.clone()
+    kernels.mask_rows_(got, torch.tensor([4, 0, 2]), masks)
+    return None if torch.equal(got, want) else "mask_rows_"
+
+
+@functools.cache
+def mask_kernels() -> ModuleType | None:
+    """The checked C++ grammar-mask kernel, or None (torch applies the masks then)."""
+    return checked_kernels("mask_rows_", _check_mask_kernel, "grammar mask kernel")
 
 
 def draw_reference(probs: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from llmaccel.bounds import RANGES, reduce_seed
+from llmaccel.structured.params import StructuredOutputsParams
 
 # Temperatures below this sample greedily (as vLLM): dividing logits by ~1e-30 overflows to inf.
 GREEDY_BELOW = 1e-5
@@ -37,8 +38,13 @@ class SamplingParams:
     # token id -> a number added to its logit before sampling (OpenAI's logit_bias; the logprobs stay the
     # model's own, as vLLM's raw logprobs); given as a mapping, kept as (id, bias) pairs sorted by id
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # the output must match a JSON schema, regex, choice or grammar (vLLM's structured_outputs); a dict
+    # of StructuredOutputsParams' fields is taken too
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         # Accept lists and a bare string from callers, store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -86,6 +92,9 @@ class SamplingParams:
         if len({token for token, _ in biases}) != len(biases):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(biases)))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,7 @@ from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.spec.build import build_speculation
 from llmaccel.spec.policy import SpeculationStats
+from llmaccel.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class LLMEngine:
                                        window, sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
+        self.runner.grammars = self.grammars
         self.scorer = SequenceScorer(self.runner, self.kv_cache)
         speculation = build_speculation(config.speculative, model, self.tokenizer, num_blocks, block_size, self.dtype,
                                         self.device, self.max_model_len, window is not None, use_kernel)
@@ -153,6 +156,8 @@ class LLMEngine:
                 sample_params = replace(params, seed=params.seed + i, n=1)
             sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival)
+            if params.structured_outputs is not None:
+                request.grammar = self.grammars.matcher(params.structured_outputs)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
             samples.append(Sample(request, detok, [] if params.logprobs is not None else None))
         group = RequestGroup(request_id, text, token_ids, samples, RequestMetrics(arrival_time=arrival))
@@ -180,6 +185,8 @@ class LLMEngine:
             if token >= self.spec.vocab_size:
                 raise InvalidRequestError(f"logit_bias: token id {token} is outside the vocabulary "
                                           f"[0, {self.spec.vocab_size})", param="logit_bias")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.
@@ -313,6 +320,8 @@ class LLMEngine:
                     if self._take_token(group, request, sampled, before[rid] + i, now):
                         request.truncate_output(before[rid] + i + 1)  # a stop string ended it: drop the rest
                         break
+                if request.grammar is not None:
+                    self._advance_grammar(request, before[rid])
             except Exception as exc:
                 failed[request.request_id] = exc
             changed[group.request_id] = group
@@ -353,6 +362,13 @@ class LLMEngine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             return True
         return False
+
+    def _advance_grammar(self, request: Request, first: int) -> None:
+        """Move the request's grammar over the tokens it kept from output token `first` on; a finished
+        output (nothing but EOS allowed next) ends the request now, without a step for the EOS."""
+        request.grammar.accept(request.output_token_ids[first:])
+        if request.grammar.is_finished and not request.is_finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _fail_group(self, group: RequestGroup, exc: BaseException) -> None:
         """End every sample of a user request with finish reason "error" and free its blocks."""

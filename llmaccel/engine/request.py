@@ -54,6 +54,7 @@ class Request:
         # with params.prompt_logprobs: filled by prefill, position by position (a recompute rewrites the same)
         self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
             else None
+        self.grammar = None  # with structured outputs: its GrammarMatcher (structured/compiler.py)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 
     @property

@@ -88,8 +88,9 @@ class OutputGuard:
     async def review(self, prompt_ids: list[int], params: SamplingParams, output: CompletionOutput,
                      regenerate: Regenerate | None) -> GuardReport | None:
         """Check `output` if it is due; resample it if anomalous (not when `regenerate` is None: a
-        stream). None when it was not checked."""
-        if not self.wants(output):
+        stream). None when it was not checked. A constrained answer (structured outputs) is not checked:
+        its grammar, not the model, chose where the two distributions part."""
+        if params.structured_outputs is not None or not self.wants(output):
             return None
         try:
             score = await self._check(prompt_ids, output, params)

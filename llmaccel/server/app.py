@@ -43,6 +43,7 @@ from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.serving import OpenAIServing
+from llmaccel.structured.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
                         "mean log-probability of its first %d tokens is below %g", config.cascade_small,
                         small.engine.weight_bytes / 1e6, engine.weight_bytes / 1e6, rule.decide_tokens, rule.threshold)
         state.serving = OpenAIServing(async_engine, tokenizer, state.metrics, config.request_timeout, result_cache,
-                                      variant, checks, answers, cascade)
+                                      variant, checks, answers, cascade, tool_parser(config.tool_call_parser))
         state.small_engine = small
         state.engine = async_engine
         capacity = engine.num_blocks * engine.config.cache.block_size

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from llmaccel.bounds import RANGES
 from llmaccel.server.protocol import ErrorInfo, ErrorResponse
 
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
@@ -41,6 +42,8 @@ def validation_error_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, 
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # Drop union-branch names such as 'str' / 'list[int]' that pydantic puts into locations.
     loc = [part for part in loc if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
+    # a message's role picks its kind, and pydantic puts the role into the location: messages.0.user.content
+    loc = [part for i, part in enumerate(loc) if not (i >= 2 and loc[i - 2] == "messages" and part in _ROLES)]
     field = ".".join(loc)
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":

@@ -22,6 +22,7 @@ from llmaccel.server import protocol as p
 from llmaccel.server.cascade import CascadeStream
 from llmaccel.server.metrics import NullTracker, RequestTracker
 from llmaccel.server.result_streams import FlightSubscriber, ReplayStream
+from llmaccel.server.tools import ToolPlan
 
 AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
 Stream = RequestStream | ReplayStream | FlightSubscriber | CascadeStream
@@ -42,6 +43,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk of a stream
     on_done: Callable[[int], None] | None = None  # called once with the completion tokens, however it ends
     guard_reports: list[GuardReport] = field(default_factory=list)  # the output guard's, per checked choice
+    tools: ToolPlan | None = None  # a chat request's use of its tools (server/tools.py)
 
     @property
     def prompt_lengths(self) -> list[int]:

@@ -17,6 +17,7 @@ from llmaccel.config import EngineConfig, ServerConfig, parse_memory_size
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.model.loader import resolve_model_path
 from llmaccel.server.auth import read_key_file
+from llmaccel.structured.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an anomalous answer is generated again up to this many times at a higher temperature; "
                              "if every try is anomalous the closest one is served, flagged (x-llmaccel-guard)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read out of the model's text when tool_choice is auto: 'hermes' "
+                             "reads <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Hermes 2 Pro, "
+                             "Qwen2/2.5/3, and the prompt llmaccel writes for templates without tools). A named "
+                             "or required tool_choice needs no parser: the grammar holds the output to the schema")
     cascade = parser.add_argument_group(
         "cascade (a small model answers first; the --model answers when the small one is unsure)")
     cascade.add_argument("--cascade-small", metavar="DIR",
@@ -153,7 +159,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         output_rules=tuple(args.output_rules or ()), guard_sample_rate=args.guard_sample_rate,
                         guard_confidence=args.guard_confidence, guard_kl=args.guard_kl,
                         guard_retries=args.guard_retries, cascade_small=args.cascade_small,
-                        cascade_threshold=args.cascade_threshold, cascade_decide_tokens=args.cascade_decide_tokens)
+                        cascade_threshold=args.cascade_threshold, cascade_decide_tokens=args.cascade_decide_tokens,
+                        tool_call_parser=args.tool_call_parser)
 
 
 class _DrainingServer(uvicorn.Server):

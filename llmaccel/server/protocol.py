@@ -4,7 +4,9 @@ Requests are validated strictly ("5" is not an integer, 3 is not a temperature, 
 number) so that a bad field gets a 400 that names it. Every number's range comes from the one table
 in llmaccel/bounds.py, which SamplingParams checks too. Unknown fields are ignored with a warning,
 as vLLM does, because client libraries send fields of newer API versions. Fields whose meaning
-llmaccel cannot honour (tools, echo, ...) are rejected rather than silently ignored.
+llmaccel cannot honour (suffix, best_of other than n, ...) are rejected rather than silently ignored.
+Structured outputs come as OpenAI's `response_format` or as vLLM's `structured_outputs` and older
+`guided_*` fields; each is checked here into one StructuredOutputsParams, so its error names its field.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import functools
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, field_validator, model_validator
 
 from llmaccel.bounds import RANGES, SEED_MEANING
 from llmaccel.sampling_params import LOGIT_BIAS_LIMIT
+from llmaccel.structured.params import StructuredOutputsParams
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
@@ -33,6 +36,37 @@ _PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"typ
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema, the JSON schema the output must match")
+        return self
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, source="response_format")
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.schema_, source="response_format")
+        return None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 class _Request(BaseModel):
@@ -65,6 +99,15 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = R["prompt_logprobs"].field(None)
     # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
     result_cache: bool | None = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: exactly one of json (a JSON schema), json_object (true), regex, choice (a list "
+                          "of strings) or grammar (Lark, or llama.cpp's GBNF).")
+    guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema the output must match.")
+    guided_regex: str | None = Field(None, description="A regular expression the output must match.")
+    guided_choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    guided_grammar: str | None = Field(None, description="A Lark or GBNF grammar the output must match.")
 
     @model_validator(mode="before")
     @classmethod
@@ -97,6 +140,32 @@ class _Request(BaseModel):
             bias[int(key)] = number
         return bias
 
+    @field_validator("response_format", "structured_outputs", *_GUIDED)
+    @classmethod
+    def _constraint(cls, value: Any, info) -> Any:
+        """Checked into StructuredOutputsParams now, so that a bad one's error names its field."""
+        if value is not None:
+            try:
+                _constraint_of(info.field_name, value)
+            except ValueError as exc:  # the 400 names the field already
+                raise ValueError(str(exc).removeprefix(f"{info.field_name}: ")) from None
+        return value
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint on this request's output, or None."""
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        constraints = [_constraint_of(name, getattr(self, name)) for name in given]
+        constraints = [(name, c) for name, c in zip(given, constraints, strict=True) if c is not None]
+        return constraints[0][1] if constraints else None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Request:
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint; got {', '.join(given)}")
+        return self
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
@@ -108,28 +177,94 @@ class _Request(BaseModel):
         return sorted(self.model_extra or {})
 
 
+def _constraint_of(name: str, value: Any) -> StructuredOutputsParams | None:
+    if name == "response_format":
+        return value.params()
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise ValueError("must be an object with one of json, json_object, regex, choice or grammar")
+        known = {"json", "json_object", "regex", "choice", "grammar"}
+        unknown = sorted(set(value) - known - {"disable_any_whitespace", "disable_fallback", "whitespace_pattern"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; give one of {', '.join(sorted(known))}")
+        fields = {k: v for k, v in value.items() if k in known and v is not None}
+        if "choice" in fields and isinstance(fields["choice"], list):
+            fields["choice"] = tuple(fields["choice"])
+        return StructuredOutputsParams(**fields, source=name)
+    kind = _GUIDED[name]
+    return StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value}, source=name)
+
+
 @functools.cache
 def _defaults(model: type[BaseModel]) -> dict[str, Any]:
     """The fields of a request model whose null means their default (a null max_tokens: the window)."""
     return {name: f.default for name, f in model.model_fields.items() if f.default is not None and name != "max_tokens"}
 
 
-class ChatMessage(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]]  # required, and not null: this server takes no tool calls
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+_CONTENT_REQUIRED = ("content is required and must not be null (except in an assistant message with tool_calls): "
+                     "give a string or a list of {'type': 'text', 'text': ...} parts")
+Content = str | list[dict[str, Any]]
+
+
+class Message(BaseModel):
+    """A turn of the conversation; the role picks the kind (below), and only an assistant turn that called
+    tools may go without content."""
+
+    model_config = _STRICT
+    role: str
+    content: Content | None = None
     name: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _content_given(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("content") is None:
-            raise ValueError("content is required and must not be null: give a string or a list of "
-                             "{'type': 'text', 'text': ...} parts")
+        if isinstance(data, dict) and data.get("content") is None and not (
+                data.get("role") == "assistant" and data.get("tool_calls")):
+            raise ValueError(_CONTENT_REQUIRED)
         return data
 
     def text(self) -> str:
         """The message as plain text; only text content parts are understood."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -141,27 +276,45 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class SystemMessage(Message):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantTurn(Message):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None  # the calls it made
+
+
+class ToolMessage(Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None  # the call it answers
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantTurn | ToolMessage, Field(discriminator="role")]
+_MESSAGE = TypeAdapter(ChatMessage)
+
+
+def chat_message(data: dict[str, Any]) -> Message:
+    """One message from its JSON form (the role picks its kind)."""
+    return _MESSAGE.validate_python(data)
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = R["max_tokens"].field(None)
     max_completion_tokens: int | None = R["max_completion_tokens"].field(None)
     logprobs: bool | None = False
     top_logprobs: int | None = R["top_logprobs"].field(None)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("tools", "tool_choice")
-    @classmethod
-    def _no_tools(cls, value: object) -> None:
-        if value not in (None, [], "none", "auto"):
-            raise ValueError("tools (function calling) are not supported by this server")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only {'type': 'text'} is supported by this server")
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -273,7 +426,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -42,6 +42,16 @@ from llmaccel.server.metrics import NullTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.result_streams import ReplayStream, SharedFlight
 from llmaccel.server.shapes import Shapes
+from llmaccel.server.tools import (
+    ToolCallStream,
+    ToolPlan,
+    assistant_message,
+    called,
+    chat_turns,
+    template_reads_tools,
+    tool_plan,
+)
+from llmaccel.structured.tool_parsers import HermesToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +61,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServerMetrics,
                  request_timeout: float | None, result_cache: ResultCache | None = None,
                  variant: str = "", prompt_checks: PromptChecks | None = None,
-                 answer_checks: AnswerChecks | None = None, cascade: CascadeRouter | None = None) -> None:
+                 answer_checks: AnswerChecks | None = None, cascade: CascadeRouter | None = None,
+                 tool_parser: HermesToolParser | None = None) -> None:
         self.engine = engine  # the model; with a cascade, the large one
         self.cascade = cascade  # a small model first, the large one when it is unsure
         self.tokenizer = tokenizer  # the server's own copy: the engine thread decodes with another
@@ -62,31 +73,34 @@ class OpenAIServing:
         self.variant = variant  # the model variant, part of every result-cache key
         self.prompt_checks = prompt_checks  # size, well-formed text and the input filter, before tokenizing
         self.answer_checks = answer_checks  # the output guard and the output filter, after generating
+        self.tool_parser = tool_parser or HermesToolParser()  # reads tool calls out of text (tool_choice auto)
         self._retry_ids = itertools.count()
         self._flights: dict[str, SharedFlight] = {}
 
     # ---- admission --------------------------------------------------------------------------------
-    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
-        """The conversation as the model's chat template writes it."""
+    def render_chat(self, messages: list[p.Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: ToolPlan | None = None) -> str:
+        """The conversation (with the tools it may call) as the model's chat template writes it."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        native = template_reads_tools(self.tokenizer)
+        turns = chat_turns(messages, tools, native)
+        extra = {"tools": tools.specs} if native and tools is not None else {}
         try:
             return self.tokenizer.apply_chat_template(turns, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+                                                      continue_final_message=continue_final_message, **extra)
         except jinja2.TemplateError as exc:  # the template's own raise_exception: a client's conversation
             raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
                                       param="messages") from None
 
-    def prompts(self, request: AnyRequest) -> list[list[int]]:
+    def prompts(self, request: AnyRequest, tools: ToolPlan | None = None) -> list[list[int]]:
         if isinstance(request, p.ChatCompletionRequest):
-            return [self.tokenizer.encode(self.render_chat(request.messages), add_special_tokens=False)]
+            return [self.tokenizer.encode(self.render_chat(request.messages, tools=tools), add_special_tokens=False)]
         return [self.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else x
                 for x in request.prompt]
 
-    def sampling_params(self, request: AnyRequest, prompt_len: int) -> SamplingParams:
+    def sampling_params(self, request: AnyRequest, prompt_len: int, tools: ToolPlan | None = None) -> SamplingParams:
         max_tokens = request.max_new_tokens
         limit = self.engine.engine.max_model_len
         if max_tokens is not None and prompt_len < limit < prompt_len + max_tokens:
@@ -101,7 +115,9 @@ class OpenAIServing:
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=tuple(request.stop or ()),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
             logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens,
-            logit_bias=request.logit_bias or {}, prompt_logprobs=_prompt_logprobs(request))
+            logit_bias=request.logit_bias or {}, prompt_logprobs=_prompt_logprobs(request),
+            structured_outputs=tools.constraint if tools is not None and tools.constraint is not None
+            else request.structured_outputs_params())
 
     def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
@@ -114,8 +130,9 @@ class OpenAIServing:
                     check_token_ids(prompt, vocab, "prompt" if len(request.prompt) == 1 else f"prompt[{i}]", "prompt")
         if self.prompt_checks is not None:
             request = self.prompt_checks.apply(request)
-        prompts = self.prompts(request)
-        params = [self.sampling_params(request, len(ids)) for ids in prompts]
+        tools = tool_plan(request) if isinstance(request, p.ChatCompletionRequest) else None
+        prompts = self.prompts(request, tools)
+        params = [self.sampling_params(request, len(ids), tools) for ids in prompts]
         response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         streams: list[Stream] = []
         outcomes: list[str] = []
@@ -131,7 +148,7 @@ class OpenAIServing:
         trackers = [NullTracker() if o == "hit" else self.metrics.track() for o in outcomes]
         cache = "hit" if all(o == "hit" for o in outcomes) else "bypass" if all(o == "bypass" for o in outcomes) \
             else "miss"
-        return Job(request, response_id, model, streams, trackers, prompts, params, cache)
+        return Job(request, response_id, model, streams, trackers, prompts, params, cache, tools=tools)
 
     def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool) -> tuple[Stream, str]:
         """The stream of one prompt: a cache hit's replay, a subscription to an identical request in
@@ -189,9 +206,9 @@ class OpenAIServing:
                 served.append(c)
                 index = i * n + c.index
                 if job.is_chat:
-                    choices.append(p.ChatChoice(index=index, message=p.AssistantMessage(content=c.text),
-                                                logprobs=self.shapes.chat_logprobs(c.logprobs or [], job),
-                                                finish_reason=c.finish_reason))
+                    message, finish_reason = assistant_message(job.tools, self.tool_parser, c.text, c.finish_reason)
+                    choices.append(p.ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                                                logprobs=self.shapes.chat_logprobs(c.logprobs or [], job)))
                 else:
                     choices.append(self.shapes.completion_choice(job, i, index, c, last[i]))
         usage = _usage(job, served, last.values())
@@ -233,6 +250,8 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}
         last: dict[int, RequestOutput] = {}
         filters: dict[int, OutputTextFilter] = {}
+        calls = {k: ToolCallStream(job.tools, self.tool_parser) for k in range(n * len(job.streams))} \
+            if job.tools is not None else {}
         ended: set[int] = set()
         echoing, echoed = not job.is_chat and bool(job.request.echo), set()
         if job.is_chat:  # the role comes first, as OpenAI sends it
@@ -259,8 +278,16 @@ class OpenAIServing:
                             report = await self._review_stream(job, i, c)
                             if report is not None:
                                 reports.append(report.as_dict())
-                        if c.delta_text or c.finish_reason or new_logprobs:
-                            choices.append(self.shapes.chunk_choice(job, index, c, new_logprobs))
+                        deltas = []
+                        if calls:  # the text goes through the choice's tool-call reader
+                            content, deltas = calls[index].push(c.delta_text, c.finish_reason is not None)
+                            c = replace(c, delta_text=content or "",
+                                        finish_reason=called(c.finish_reason, calls[index].num_calls > 0))
+                        if c.delta_text or c.finish_reason or new_logprobs or deltas:
+                            choice = self.shapes.chunk_choice(job, index, c, new_logprobs)
+                            if deltas:
+                                choice["delta"]["tool_calls"] = deltas
+                            choices.append(choice)
                     if echoes:  # a chunk of its own, before the choice's first tokens
                         yield _sse(self.shapes.chunk(job, echoes), **usage_field)
                     if choices:

@@ -31,6 +31,7 @@ torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor blocks, c10::optio
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
+void mask_rows_(torch::Tensor logits, torch::Tensor rows, torch::Tensor masks);
 namespace llmaccel {
 void bind_decode_stack(pybind11::module& m);
 }
@@ -65,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel", nogil);
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF", nogil);
+  m.def("mask_rows_", &mask_rows_, "grammar bitmasks onto rows of logits, in place (-inf where a bit is clear)",
+        nogil);
   llmaccel::bind_decode_stack(m);
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in", nogil);
 }

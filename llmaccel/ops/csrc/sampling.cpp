@@ -226,3 +226,60 @@ std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor tempe
   });
   return {tokens, top};
 }
+
+// Grammar masks (structured outputs), in place: row rows[i] of logits keeps token t where bit t % 32 of
+// word t / 32 of masks[i] is set (llguidance's and xgrammar's layout), and is -inf elsewhere. A word of
+// all ones is skipped and one of zeros is a fill, so a JSON state (a few tokens allowed) costs a pass of
+// stores; torch's unpack and masked_fill took 6 ms a step for 32 rows of 49,152 logits.
+void mask_rows_(torch::Tensor logits, torch::Tensor rows, torch::Tensor masks) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1,
+              "logits must be float32 [B, V] with contiguous rows");
+  TORCH_CHECK(masks.dim() == 2 && masks.scalar_type() == torch::kInt32 && masks.is_contiguous(),
+              "masks must be contiguous int32 [R, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == masks.size(0),
+              "rows must be int64 [R], one per mask");
+  const int64_t v = logits.size(1), ld = logits.stride(0), words = masks.size(1), n = rows.size(0);
+  auto rows_c = rows.contiguous();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "a mask's row is outside the logits");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* row = lp + rp[i] * ld;
+      const uint32_t* mask = mp + i * words;
+      for (int64_t w = 0; w * 32 < v; ++w) {
+        const uint32_t bits = w < words ? mask[w] : 0u;
+        const int64_t start = w * 32, end = std::min<int64_t>(start + 32, v);
+        if (bits == 0xffffffffu) continue;
+        if (bits == 0u) {
+          std::fill(row + start, row + end, neg_inf);
+          continue;
+        }
+        if (end - start == 32) {
+          float* at = row + start;
+#if defined(__AVX512F__)  // two masked stores: -inf where a bit is clear
+          const __m512 fill = _mm512_set1_ps(neg_inf);
+          _mm512_mask_storeu_ps(at, static_cast<__mmask16>(~bits & 0xffffu), fill);
+          _mm512_mask_storeu_ps(at + 16, static_cast<__mmask16>(~bits >> 16), fill);
+#elif defined(__AVX2__)  // eight lanes at a time: a lane keeps its logit where its bit is set
+          const __m256 fill = _mm256_set1_ps(neg_inf);
+          const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+          for (int k = 0; k < 32; k += 8) {
+            const __m256i word = _mm256_set1_epi32(static_cast<int>((bits >> k) & 0xffu));
+            const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(word, lane_bits), lane_bits);
+            _mm256_storeu_ps(at + k, _mm256_blendv_ps(fill, _mm256_loadu_ps(at + k), _mm256_castsi256_ps(keep)));
+          }
+#else
+          for (int k = 0; k < 32; ++k) at[k] = ((bits >> k) & 1u) ? at[k] : neg_inf;
+#endif
+          continue;
+        }
+        for (int64_t t = start; t < end; ++t)
+          if (!((bits >> (t - start)) & 1u)) row[t] = neg_inf;
+      }
+    }
+  });
+}

@@ -92,7 +92,7 @@ def test_invalid_sampling_values(kwargs, message):
 
 
 def test_unknown_model_path(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="not found: give an HF directory, a .gguf file or an alias"):
+    with pytest.raises(ModelNotFoundError, match="not found: give an HF directory, a .gguf file, a hub id held"):
         LLM(str(tmp_path / "no-such-model"))
 
 

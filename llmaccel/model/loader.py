@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,11 +39,32 @@ def resolve_model_path(model: str) -> Path:
             raise ModelNotFoundError(f"model alias {model!r}: {path} is missing; reinstall with `{install}`")
         return path
     path = Path(model).expanduser()
-    if not path.exists():
-        aliases = ", ".join(MODEL_ALIASES)
+    if path.exists():
+        return path
+    if _HUB_ID.fullmatch(model):
+        return hub_snapshot(model)
+    aliases = ", ".join(MODEL_ALIASES)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: give an HF directory, a .gguf file, a hub id held in the local Hugging Face "
+        f"cache (owner/name) or an alias ({aliases})")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local Hugging Face cache's snapshot of `repo_id` (as vLLM with HF_HUB_OFFLINE=1): nothing is
+    downloaded; a model not in the cache is an error saying where llmaccel looked and how to fill it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
         raise ModelNotFoundError(
-            f"model {model!r} not found: give an HF directory, a .gguf file or an alias ({aliases})")
-    return path
+            f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}; set HF_HUB_CACHE "
+            f"or HF_HOME to look elsewhere). llmaccel downloads nothing: on a machine that can reach the hub, run "
+            f"`huggingface-cli download {repo_id}` and copy its cache here, or give the model's directory") from None
 
 
 def hf_dir_for(model: str, cache_dir: Path | None = None) -> Path:

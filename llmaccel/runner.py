@@ -171,8 +171,9 @@ class ModelRunner:
     def _start_masks(self, output: SchedulerOutput, drafts: Mapping[str, list[int]]
                      ) -> tuple[dict[str, int], Future] | None:
         """For the requests with a grammar that sample this step: their first mask row (one row per
-        token they sample: the next one and one after each draft), and the masks, filled on a worker
-        thread while the forward pass runs. None when no such request runs."""
+        token they sample: the next one and one after each draft), and the masks: with `overlap_masks`
+        filled on a worker thread while the forward pass runs, else here and now. None when no such
+        request runs."""
         places, requests, num_rows = {}, [], 0
         for item in output.scheduled:
             request = item.request

@@ -18,14 +18,13 @@ judgement keeps 90% of the way from small-only to large-only), and writes a JSON
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
+from llmaccel.bench.report import write_result
 from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
-from llmaccel.platform import machine_record
 from llmaccel.sampling_params import SamplingParams
 
 
@@ -156,11 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(points, chosen, args.plot)
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
         clean = [{k: (None if isinstance(v, float) and abs(v) == float("inf") else v) for k, v in p.items()}
                  for p in points]
-        args.result_json.write_text(json.dumps({
-            "machine": machine_record(), "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
-            "seconds_per_token": {"large": large_spt, "small": small_spt}, "recommended": clean[points.index(chosen)],
-            "points": clean}, indent=1) + "\n")
+        write_result(args.result_json, args, seconds_per_token={"large": large_spt, "small": small_spt},
+                     recommended=clean[points.index(chosen)], points=clean)
     return 0

@@ -6,6 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
+from llmaccel.platform import machine_record
+
+
+def write_result(path: Path, args: argparse.Namespace, **figures: object) -> None:
+    """A benchmark's result file: the machine it ran on, its arguments, then its figures."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine_record(), "args": {
+        k: str(v) for k, v in vars(args).items() if k != "func"}, **figures}, indent=1) + "\n")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results", nargs="+", type=Path, help="result JSON files written by `bench offline`")

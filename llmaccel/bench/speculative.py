@@ -17,16 +17,15 @@ engine pays once; their figures are printed and kept in the result file.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 from llmaccel.bench.compare import SINGLE_PROMPT
+from llmaccel.bench.report import write_result
 from llmaccel.data.corpora import load_corpus
 from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
-from llmaccel.platform import machine_record
 from llmaccel.sampling_params import SamplingParams
 
 COPY_INSTRUCTION = "Rewrite the following paragraph, keeping its meaning and its facts:\n\n"
@@ -151,7 +150,5 @@ def run(args: argparse.Namespace) -> int:
                   f"({stats.num_accepted_tokens / stats.num_draft_tokens:.0%}); mean accepted length "
                   f"{stats.mean_accepted_length:.2f}; kept by position {stats.accepted_per_position}")
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"machine": machine_record(), "args": {
-            k: str(v) for k, v in vars(args).items() if k != "func"}, "rows": rows}, indent=1) + "\n")
+        write_result(args.result_json, args, rows=rows)
     return 0 if all(identical.values()) else 1

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import jsonschema
 
+from llmaccel.bench.report import write_result
 from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
-from llmaccel.platform import machine_record
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.structured.params import StructuredOutputsParams
 
@@ -120,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
           f"they must; where constrained requests finish early the batch shrinks and the numerics may move). "
           f"Nested answers finished: {finished}, valid against the schema: {valid}")
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"machine": machine_record(), "args": {
-            k: str(v) for k, v in vars(args).items() if k != "func"}, "rows": rows, "free_identical": identical,
-            "nested_finished": finished, "nested_valid": valid}, indent=1) + "\n")
+        write_result(args.result_json, args, rows=rows, free_identical=identical, nested_finished=finished,
+                     nested_valid=valid)
     fixed_same = identical["half fixed"] and identical["half fixed, overlapped masks"]
     return 0 if fixed_same and valid == finished else 1

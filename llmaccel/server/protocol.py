@@ -151,12 +151,14 @@ class _Request(BaseModel):
                 raise ValueError(str(exc).removeprefix(f"{info.field_name}: ")) from None
         return value
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one constraint on this request's output, or None."""
-        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
-        constraints = [_constraint_of(name, getattr(self, name)) for name in given]
-        constraints = [(name, c) for name, c in zip(given, constraints, strict=True) if c is not None]
-        return constraints[0][1] if constraints else None
+    @functools.cached_property
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The one constraint on this request's output (`_one_constraint` allows no second), or None."""
+        for name in _CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (constraint := _constraint_of(name, value)) is not None:
+                return constraint
+        return None
 
     @model_validator(mode="after")
     def _one_constraint(self) -> _Request:
@@ -188,11 +190,8 @@ def _constraint_of(name: str, value: Any) -> StructuredOutputsParams | None:
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}; give one of {', '.join(sorted(known))}")
         fields = {k: v for k, v in value.items() if k in known and v is not None}
-        if "choice" in fields and isinstance(fields["choice"], list):
-            fields["choice"] = tuple(fields["choice"])
         return StructuredOutputsParams(**fields, source=name)
-    kind = _GUIDED[name]
-    return StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value}, source=name)
+    return StructuredOutputsParams(**{_GUIDED[name]: value}, source=name)
 
 
 @functools.cache

@@ -117,7 +117,7 @@ class OpenAIServing:
             logprobs=request.num_logprobs, skip_special_tokens=request.skip_special_tokens,
             logit_bias=request.logit_bias or {}, prompt_logprobs=_prompt_logprobs(request),
             structured_outputs=tools.constraint if tools is not None and tools.constraint is not None
-            else request.structured_outputs_params())
+            else request.output_constraint)
 
     def submit(self, request: AnyRequest, model: str) -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""

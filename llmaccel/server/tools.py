@@ -50,7 +50,7 @@ def tool_plan(request: p.ChatCompletionRequest) -> ToolPlan | None:
     names = [tool.function.name for tool in tools]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tools: two functions share a name", param="tools")
-    if choice is not None and choice != "auto" and request.structured_outputs_params() is not None:
+    if choice is not None and choice != "auto" and request.output_constraint is not None:
         raise InvalidRequestError("a forced tool call (tool_choice required or a named function) cannot be combined "
                                   "with response_format or structured_outputs", param="tool_choice")
     if isinstance(choice, p.NamedToolChoice):
@@ -90,9 +90,8 @@ def chat_turns(messages: list[p.Message], plan: ToolPlan | None, native: bool) -
             if answers is not None:
                 turn["tool_call_id"] = answers
         elif calls:
-            calls = "\n".join(f"<tool_call>\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)}, ensure_ascii=False)}\n</tool_call>"  # noqa: E501
-                              for c in calls)
-            turn["content"] = f"{turn['content']}\n{calls}" if turn["content"] else calls
+            written = "\n".join(_hermes_call(c) for c in calls)
+            turn["content"] = f"{turn['content']}\n{written}" if turn["content"] else written
         elif role == "tool":
             turn = {"role": "user", "content": f"<tool_response>\n{turn['content']}\n</tool_response>"}
         turns.append(turn)
@@ -112,6 +111,12 @@ def hermes_tools_prompt(specs: list[dict[str, Any]]) -> str:
             "</tools>\n\nFor each function call, return a json object with function name and arguments within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
             "<args-json-object>}\n</tool_call>")
+
+
+def _hermes_call(call: p.ToolCall) -> str:
+    body = json.dumps({"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                      ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def _arguments(text: str) -> Any:

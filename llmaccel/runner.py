@@ -16,7 +16,7 @@ import torch
 
 from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
-from llmaccel.model.llama import LlamaForCausalLM
+from llmaccel.model.causal_lm import CausalLM
 from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
@@ -50,7 +50,7 @@ class Span:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         spec = model.spec
         self.model = model

@@ -19,7 +19,8 @@ from llmaccel.sampling_params import SamplingParams
 TEXT = "The quick brown fox jumps over the lazy dog. 你好，世界。 def hello(): print('hello world')"
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias"])  # MHA (o folds into v), GQA with q/k/v biases
+# MHA (o folds into v), GQA with q/k/v biases, q/k norms
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "qwen3"])
 def test_folded_scales_leave_the_float_model_unchanged(tiny_model_dirs, tmp_path, name):
     source = tiny_model_dirs[name]
     llm = LLM(str(source))

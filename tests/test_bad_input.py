@@ -111,12 +111,12 @@ def test_truncated_safetensors(llama_dir, tmp_path):
 
 
 def test_unsupported_architecture(llama_dir, tmp_path):
-    other = tmp_path / "gpt2ish"
+    other = tmp_path / "falconish"
     shutil.copytree(llama_dir, other)
     config = json.loads((other / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["FalconForCausalLM"]
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="architecture GPT2LMHeadModel is not supported"):
+    with pytest.raises(UnsupportedModelError, match="architecture FalconForCausalLM is not supported"):
         LLM(str(other))
 
 

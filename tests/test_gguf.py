@@ -161,3 +161,25 @@ def test_the_fast_tensor_table_reads_what_the_gguf_package_reads(tied_dir, tmp_p
     cut.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file"):
         read_tensors(cut)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_a_gpt2_gguf_file_runs_as_its_hf_checkpoint(tiny_model_dirs, tmp_path, tiny_tokenizer, qtype):
+    """llama.cpp's gpt2 layout (tests/tiny_gguf.write_gpt2_gguf), read by transformers' GGUF loader: F32 is the
+    source checkpoint token for token; Q8_0 is HF's model on the dequantized directory token for token."""
+    from tests.tiny_gguf import write_gpt2_gguf
+
+    source = tiny_model_dirs["gpt2"]
+    config = json.loads((source / "config.json").read_text())
+    path = write_gpt2_gguf(source, tmp_path / f"tiny-gpt2-{qtype.name}.gguf", qtype, config, tiny_tokenizer)
+    llm = LLM(str(path))
+    assert llm.engine.spec.architecture == "GPT2LMHeadModel"
+    prompt = tiny_tokenizer.encode("The quick brown fox")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    converted = llm.engine.hf_dir
+    assert out.token_ids == hf_greedy(converted, prompt, 20)
+    if qtype == Q.F32:
+        assert out.token_ids == hf_greedy(source, prompt, 20)
+    assert llm.tokenizer.encode("你好，世界 hello") == tiny_tokenizer.encode("你好，世界 hello")
+    with pytest.raises(ValueError, match="runs the quantized tensors of llama-architecture GGUF files"):
+        LLM(str(path), quantization="gguf")

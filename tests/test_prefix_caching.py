@@ -11,7 +11,7 @@ import pytest
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
 from tests.live_server import MODEL_NAME, live_server
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import FAMILIES, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -33,7 +33,7 @@ def _run_counting_tokens(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
     return list(outputs[0].outputs[0].token_ids), computed
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", *FAMILIES])
 def test_a_shared_512_token_prefix_is_computed_once_and_outputs_are_unchanged(tiny_model_dirs, name):
     model_dir = tiny_model_dirs[name]
     cached, plain = LLM(str(model_dir), num_kv_blocks=128), LLM(str(model_dir), num_kv_blocks=128,

@@ -1,5 +1,5 @@
-"""Write a tiny llama-architecture GGUF file from a tiny HF checkpoint, as llama.cpp's converter
-does: q/k rows permuted for interleaved RoPE, tensors in a chosen GGML type, tokenizer metadata."""
+"""Write tiny GGUF files from tiny HF checkpoints, as llama.cpp's converter does: llama (q/k rows permuted
+for interleaved RoPE) and gpt2; tensors in a chosen GGML type, tokenizer metadata."""
 
 from __future__ import annotations
 
@@ -20,6 +20,58 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    special = set(tokenizer.all_special_ids)
+    writer.add_token_types([3 if i in special else 1 for _, i in vocab])  # 3 = control, 1 = normal
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+    if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        quantized = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, data)
+
+
+def write_gpt2_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, config: dict, tokenizer) -> Path:
+    """As llama.cpp's GPT2Model converter writes one: gguf's own tensor name map, the Conv1D projections
+    transposed to [out, in], the attention mask buffers dropped, no output tensor (tied)."""
+    weights = load_file(str(model_dir / "model.safetensors"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config["n_layer"])
+    writer = gguf.GGUFWriter(str(out), "gpt2")
+    writer.add_block_count(config["n_layer"])
+    writer.add_context_length(config["n_positions"])
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    _write_tokenizer(writer, tokenizer)
+    for name, tensor in weights.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue
+        data = tensor.astype(np.float32)
+        if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            data = np.ascontiguousarray(data.T)
+        _add_tensor(writer, names.get_name(name, try_suffixes=(".weight", ".bias")), data, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, config: dict, tokenizer) -> Path:
     weights = load_file(str(model_dir / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -32,20 +84,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, con
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([t for t, _ in vocab])
-    special = set(tokenizer.all_special_ids)
-    writer.add_token_types([3 if i in special else 1 for _, i in vocab])  # 3 = control, 1 = normal
-    import json
-
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    _write_tokenizer(writer, tokenizer)
     for name, tensor in weights.items():
         parts = name.split(".")
         if name == "model.embed_tokens.weight":
@@ -61,11 +100,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, con
             data = permute(data, config["num_attention_heads"])
         elif gguf_name.endswith("attn_k.weight"):
             data = permute(data, config["num_key_value_heads"])
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            quantized = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, data)
+        _add_tensor(writer, gguf_name, data, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints (and a tiny byte-level BPE tokenizer) written to disk
+"""Tiny random checkpoints of every family llmaccel runs (and a tiny byte-level BPE tokenizer) written to disk
 with transformers' own save_pretrained, so llmaccel loads them exactly as it loads real ones."""
 
 from __future__ import annotations
@@ -7,7 +7,18 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -54,14 +65,47 @@ TINY_CONFIGS = {
     # tied embeddings, plain multi-head attention
     "llama-tied": lambda t: LlamaConfig(**_common(t), num_attention_heads=4, num_key_value_heads=4,
                                         tie_word_embeddings=True, rope_theta=100000.0),
+    # the families beyond Llama (model/registry.py), each with the features that set it apart
+    "qwen3": lambda t: Qwen3Config(**_common(t), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   tie_word_embeddings=False, rope_theta=1000000.0),
+    # fused qkv and gate_up; LongRoPE with an attention factor (4096 / 1024); every test stays within 1024
+    "phi3": lambda t: Phi3Config(**{**_common(t), "max_position_embeddings": 4096}, num_attention_heads=4,
+                                 num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None,
+                                 original_max_position_embeddings=1024,
+                                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                  "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                                  "original_max_position_embeddings": 1024}),
+    "gemma": lambda t: GemmaConfig(**_common(t), num_attention_heads=4, num_key_value_heads=1, head_dim=16),
+    # one local layer (window 16) and one global; caps low enough to bite on a random model
+    "gemma2": lambda t: Gemma2Config(**_common(t), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=2.0,
+                                     final_logit_softcapping=3.0),
+    # q/k norms; the local layer rotates by base 10^4, the global one by 10^6 with linear scaling
+    "gemma3": lambda t: Gemma3TextConfig(**_common(t), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         query_pre_attn_scalar=16, sliding_window=16,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 10000.0},
+                                                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                             "rope_theta": 1000000.0}}),
+    "gpt2": lambda t: GPT2Config(vocab_size=len(t), n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                                 initializer_range=0.2, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+                                 pad_token_id=t.pad_token_id),
 }
+LLAMA_FAMILY = ("llama-gqa", "qwen2-bias", "llama-tied")
+FAMILIES = ("qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2")
 
 
 def make_tiny_model(name: str, root: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
     config = TINY_CONFIGS[name](tokenizer)
     torch.manual_seed(1234)
-    klass = Qwen2ForCausalLM if isinstance(config, Qwen2Config) else LlamaForCausalLM
-    model = klass(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if name.startswith("gemma"):
+        # Gemma scales its embedding by sqrt(hidden): at the random init the token's own embedding then
+        # dominates the residual stream and a tied head repeats the input token. Shrunk, the layers steer.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(1 / config.hidden_size**0.5)
     out = root / name
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -20,8 +20,8 @@ from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
 from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.llama import LlamaForCausalLM
 from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.registry import model_class
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.platform import describe
@@ -89,10 +89,10 @@ class LLMEngine:
             quantization, ready = None, saved[1]
         elif quantization == "gguf":
             quantization, ready = None, native_weights(config.model.model, self.spec, config.model.quantize_embedding)
-        model = LlamaForCausalLM(self.spec, checkpoint.weights, self.dtype, self.device,
-                                 max_positions=self.max_model_len, use_kernel=use_kernel, quantization=quantization,
-                                 group_size=config.model.quant_group_size, prequantized=ready,
-                                 quantize_embedding=config.model.quantize_embedding)
+        model = model_class(self.spec.architecture)(
+            self.spec, checkpoint.weights, self.dtype, self.device, max_positions=self.max_model_len,
+            use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
+            prequantized=ready, quantize_embedding=config.model.quantize_embedding)
         del checkpoint
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,

@@ -25,7 +25,7 @@ from llmaccel.ops.layer_ops import layer_kernels
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
-    from llmaccel.model.llama import LlamaForCausalLM
+    from llmaccel.model.causal_lm import CausalLM
     from llmaccel.ops.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class DecodeStack:
     def __init__(self, stack, dtype: torch.dtype, choice: Bf16Choice | None) -> None:
         self.stack, self.dtype, self.choice = stack, dtype, choice
 
-    def decode(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+    def decode(self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The final norm's output for a decode-only step, or None where the step is not one it takes."""
         rows = input_ids.shape[0]
@@ -72,7 +72,7 @@ class DecodeStack:
                                   meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first)
 
 
-def build_decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
+def build_decode_stack(model: CausalLM) -> DecodeStack | None:
     """The model's layers in a C++ stack, or None (the reason logged) where it does not apply."""
     kernels = load_cpu_kernels()
     if kernels is None or not hasattr(kernels, "DecodeStack") or gemv_kernels() is None or layer_kernels() is None:

@@ -1,9 +1,11 @@
-"""GGUF (llama architecture) -> an HF-format directory in the cache, keyed by the file's hash.
+"""GGUF -> an HF-format directory in the cache, keyed by the file's hash.
 
-Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), q/k
-rows are un-permuted back to HF's rotate-half layout (llama.cpp's converter interleaves them), and
-the tokenizer and chat template are rebuilt from the GGUF metadata by transformers. Both llmaccel
-and the HF baseline then load the same directory, so they see bit-identical weights.
+The llama architecture is converted here: tensors are dequantized with the `gguf` package (F32, F16,
+BF16, Q8_0, Q4_0, Q4_1, ...), q/k rows are un-permuted back to HF's rotate-half layout (llama.cpp's
+converter interleaves them). GPT-2 is read by transformers' own GGUF loader, which undoes llama.cpp's
+changes (the transposed Conv1D projections), and written out. The tokenizer and chat template
+are rebuilt from the GGUF metadata by transformers either way. Both llmaccel and the HF baseline then
+load the same directory, so they see bit-identical weights.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF general.architecture -> the HF architecture its directory names (llama: converted here, the rest by
+# transformers' GGUF loader)
+# gguf files of the other families are not read yet: their GGUF metadata lacks fields (Qwen3's head_dim) that
+# transformers' GGUF loader does not map, untested here; convert their HF checkpoints instead
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 
 
 def file_digest(path: Path) -> str:
@@ -69,9 +76,13 @@ def gguf_to_hf_dir(path: Path, cache_root: Path) -> Path:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                     f"llmaccel reads {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    config = _config_from_metadata(reader, arch, path)
-    state = _tensors(reader, config, path, gguf)
-    config["tie_word_embeddings"] = "lm_head.weight" not in state
+    if arch == "llama":
+        config = _config_from_metadata(reader, arch, path)
+        state = _tensors(reader, config, path, gguf)
+        config["tie_word_embeddings"] = "lm_head.weight" not in state
+    else:
+        del reader
+        config, state = _read_with_transformers(path, GGUF_ARCHITECTURES[arch])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -93,6 +104,28 @@ def gguf_to_hf_dir(path: Path, cache_root: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _read_with_transformers(path: Path, architecture: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, float32 tensors by HF name) through transformers' GGUF loader (every tensor dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}: transformers cannot read this GGUF file "
+                                     f"({type(exc).__name__}: {exc})") from exc
+    config = model.config.to_dict()
+    config["architectures"] = [architecture]
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:  # the tied LM head: safetensors stores a tensor once
+            continue
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.detach().contiguous()
+    if config.get("tie_word_embeddings", True):
+        state.pop("lm_head.weight", None)
+    return config, state
 
 
 def _config_from_metadata(reader, arch: str, path: Path) -> dict:

@@ -30,6 +30,9 @@ def native_weights(model: str, spec: ModelSpec, include_embedding: bool = False)
     path = resolve_model_path(model)
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
+    if spec.architecture != "LlamaForCausalLM":
+        raise ValueError(f"--quantization gguf runs the quantized tensors of llama-architecture GGUF files; "
+                         f"{path.name} is {spec.architecture}, whose tensors are dequantized on load: use int8 or int4")
     weights = gguf_quantized_weights(path, {"num_attention_heads": spec.num_heads,
                                             "num_key_value_heads": spec.num_kv_heads})
     if not any(name.startswith("model.layers.") for name in weights):

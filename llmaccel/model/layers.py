@@ -69,7 +69,31 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling {kind!r}; llmaccel supports default, linear and llama3")
+    if kind == "longrope":  # the short factors; rope_tables takes the long ones past the original length
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope scaling {kind!r}; llmaccel supports default, linear, llama3 and longrope")
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float,
+                scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (cos, sin) [max_positions, head_dim] in HF's rotate-half layout. LongRoPE (Phi-3): positions within
+    `original_max_position_embeddings` rotate by the short factors, those past it by the long ones (HF switches
+    the new tokens' factors there too), both scaled by the attention factor HF derives."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * rope_inverse_frequencies(head_dim, theta, scaling)[None, :]
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    factor = 1.0
+    if kind == "longrope":
+        original = int(scaling["original_max_position_embeddings"])
+        inv_long = rope_inverse_frequencies(head_dim, theta, {"rope_type": "default"}) / torch.tensor(
+            scaling["long_factor"], dtype=torch.float32)
+        freqs[original:] = positions[original:, None] * inv_long[None, :]
+        factor = scaling.get("attention_factor")
+        if factor is None:
+            ratio = scaling.get("factor") or scaling["max_position_embeddings"] / original
+            factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1.0 else 1.0
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * factor, emb.sin() * factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,12 +102,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """qk: [T, H + KVH, D], queries and keys side by side so one pass rotates both; positions: [T]."""
@@ -194,15 +215,22 @@ def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: 
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """SwiGLU, down(silu(gate(x)) * up(x)), or with `activation` gelu_tanh GeGLU (Gemma); gate and up fused
+    into one matmul."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}; llmaccel runs silu and gelu_tanh")
         self.gate_up = gate_up
         self.down = down
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+        if self.activation == "silu":
+            return self.down(silu_mul(self.gate_up(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up)
 
 
 def weight_bytes(model) -> int:

@@ -191,5 +191,16 @@ def load_checkpoint(model: str, cache_dir: Path | None = None) -> LoadedCheckpoi
     spec = read_spec(hf_dir)
     tokenizer = load_tokenizer(hf_dir)
     weights = load_weights(hf_dir)
+    check_vocabulary(hf_dir, spec, tokenizer)
     spec = _with_eos(spec, [getattr(tokenizer, "eos_token_id", None)])
     return LoadedCheckpoint(hf_dir, spec, weights, tokenizer)
+
+
+def check_vocabulary(hf_dir: Path, spec: ModelSpec, tokenizer) -> None:
+    """The tokenizer's ids must all be rows of the model's embedding: a tokenizer with more tokens than
+    config.json's vocab_size belongs to another model (a larger vocab_size is padding, as many models have)."""
+    size = len(tokenizer)
+    if size > spec.vocab_size:
+        raise CorruptCheckpointError(
+            f"{hf_dir}: the tokenizer has {size} tokens but the model's vocabulary (config.json vocab_size) is "
+            f"{spec.vocab_size}: the tokenizer files do not belong to these weights")

@@ -1,17 +1,14 @@
-"""ModelSpec: the architecture numbers the engine needs, read from an HF config.json."""
+"""ModelSpec: the architecture numbers the engine needs, read from an HF config.json.
+
+Which family reads a config is the registry's choice (model/registry.py); `llama_spec` reads the
+fields the Llama family and the families built on it share, each family adding its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmaccel.errors import CorruptCheckpointError, UnsupportedModelError
-
-# architecture name (config.json "architectures") -> model_type; all run on model/llama.py
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from llmaccel.errors import CorruptCheckpointError
 
 
 @dataclass(frozen=True)
@@ -25,7 +22,7 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the eps of every norm (GPT-2's LayerNorms too)
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
@@ -36,54 +33,20 @@ class ModelSpec:
     sliding_window: int | None  # the window of the layers that slide (Mistral: all; Qwen2: the upper ones)
     sliding_layers: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
+    # what the families beyond Llama add (model/qwen3.py, gemma.py, phi3.py, gpt2.py)
+    hidden_act: str = "silu"  # the MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU; GPT-2's MLP)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    local_rope_theta: float | None = None  # the RoPE base of the sliding layers, where it differs (Gemma 3)
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config.json") -> ModelSpec:
-        archs = config.get("architectures") or []
-        model_type = config.get("model_type")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            arch = next((a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type and not archs), None)
-        if arch is None:
-            found = ", ".join(archs) or f"model_type={model_type!r}"
-            raise UnsupportedModelError(
-                f"{source}: architecture {found} is not supported; llmaccel runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            num_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-            theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
-            if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-                scaling = None
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            is_qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
-            window, sliding_layers = _sliding_window(config, int(config["num_hidden_layers"]), is_qwen2)
-            return cls(
-                architecture=arch,
-                model_type=SUPPORTED_ARCHITECTURES[arch],
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                rope_scaling=scaling,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=is_qwen2 or bool(config.get("attention_bias", False)),
-                o_bias=not is_qwen2 and bool(config.get("attention_bias", False)),
-                mlp_bias=bool(config.get("mlp_bias", False)),
-                sliding_window=window,
-                sliding_layers=sliding_layers,
-                eos_token_ids=eos_ids,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{source}: missing or invalid field ({exc})") from exc
+        """The spec of the family config.json names (model/registry.py); an error names an unsupported one."""
+        from llmaccel.model.registry import model_class, resolve_architecture
+
+        return model_class(resolve_architecture(config, source)).read_spec(config, source)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window layer `layer` attends within, or None for full attention."""
@@ -101,7 +64,79 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def _sliding_window(config: dict, num_layers: int, is_qwen2: bool) -> tuple[int | None, tuple[int, ...]]:
+def llama_spec(config: dict, source: str, architecture: str, **family: object) -> ModelSpec:
+    """The spec of a Llama-shaped config (Llama, Mistral, Qwen2/3, Phi-3, Gemma), `family` overriding or adding
+    fields. A missing or malformed field is an error naming it."""
+    with config_fields(source):
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        theta, scaling = rope_parameters(config)
+        model_type = str(config.get("model_type") or architecture)
+        is_qwen2 = model_type in ("qwen2", "qwen3")
+        window, sliding_layers = sliding_window(config, int(config["num_hidden_layers"]), is_qwen2)
+        fields = dict(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            eos_token_ids=eos_ids(config.get("eos_token_id")),
+        )
+        return ModelSpec(**{**fields, **family})
+
+
+class config_fields:
+    """A context in which a missing or malformed config field becomes an error naming the file and field."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if isinstance(exc, KeyError):
+            raise CorruptCheckpointError(f"{self.source}: missing field {exc.args[0]!r}, which this model "
+                                         "family needs") from exc
+        if isinstance(exc, TypeError | ValueError) and not isinstance(exc, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"{self.source}: invalid field ({exc})") from exc
+        return False
+
+
+def eos_ids(eos: object) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def rope_parameters(config: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling or None) from `rope_parameters` (transformers 5, per layer type where it is keyed so)
+    or the older `rope_theta` + `rope_scaling`."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # keyed by layer type (Gemma 3)
+        rope = rope.get(layer_type or "full_attention", {})
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    else:
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def sliding_window(config: dict, num_layers: int, is_qwen2: bool) -> tuple[int | None, tuple[int, ...]]:
     """The declared sliding window and the layers it applies to, as transformers reads them: the
     config's `layer_types` where given; otherwise Qwen2 slides from layer `max_window_layers` on (and
     only with `use_sliding_window`), Mistral in every layer."""

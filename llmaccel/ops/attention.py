@@ -70,25 +70,48 @@ def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              gather: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+                              gather: tuple[torch.Tensor, torch.Tensor], scale: float,
+                              softcap: float | None = None) -> torch.Tensor:
     """Decode attention over the slots and mask of `decode_gather`. q: [S, H, D]."""
     slots, valid = gather
     keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
     values = v_cache[slots].transpose(1, 2)
+    if softcap is not None:
+        return softcapped_attention(q.unsqueeze(2), keys, values, valid[:, None, None, :], scale, softcap).squeeze(2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention with the scores capped, cap * tanh(s / cap), before the softmax (Gemma 2), as HF's eager
+    path computes it: q [B, H, n, D], keys/values [B, KVH, L, D], mask [B, 1, n, L] (True: seen) or None
+    for causal over n == L. SDPA has no cap, so this is plain torch on every device."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
 class PagedAttention:
-    """Stateless attention backend; the KV pool tensors are passed in per layer."""
+    """Stateless attention backend; the KV pool tensors are passed in per layer. `scale`: the softmax scale
+    (None: head_dim ** -0.5); `softcap`: Gemma 2's cap on the scores, which runs the torch paths only."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 use_kernel: bool | None = None) -> None:
+                 use_kernel: bool | None = None, scale: float | None = None, softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        if softcap is not None:
+            use_kernel = False  # the C++ attention kernels do not cap; the KV write kernel is fine either way
         kernels = load_cpu_kernels() if device.type == "cpu" and use_kernel is not False else None
         self._decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         self._write_kv = getattr(kernels, "write_kv", None)
@@ -135,7 +158,7 @@ class PagedAttention:
                     max_len = meta.decode_max_len or int(meta.decode_context_lens.max())
                     gather = meta.decode_gathers[window] = decode_gather(
                         meta.decode_block_tables, meta.decode_context_lens, meta.block_size, max_len, window)
-                parts.append(gathered_decode_attention(q_decode, k_cache, v_cache, gather, self.scale))
+                parts.append(gathered_decode_attention(q_decode, k_cache, v_cache, gather, self.scale, self.softcap))
         for span in meta.prefills:
             parts.append(self._prefill(q, k, v, k_cache, v_cache, span, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -151,15 +174,24 @@ class PagedAttention:
             keys = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
             values = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
         offset = span.context_len - span.num_tokens
-        if offset == 0 and (window is None or window >= span.num_tokens):  # plain causal attention
+        plain_causal = offset == 0 and (window is None or window >= span.num_tokens)
+        if self.softcap is not None:
+            mask = None if plain_causal else _chunk_mask(span, offset, window, q.device)
+            out = softcapped_attention(q_span, keys, values, mask, self.scale, self.softcap)
+        elif plain_causal:
             out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
-        else:  # query i sits at offset + i: it sees the keys up to there (and within the window)
-            rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset
-            columns = torch.arange(span.context_len, device=q.device)[None, :]
-            mask = columns <= rows
-            if window is not None:
-                mask &= columns > rows - window
-            out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=_chunk_mask(span, offset, window,
+                                                 q.device), scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _chunk_mask(span: PrefillSpan, offset: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Query i sits at offset + i: it sees the keys up to there (and within the window). [n, L]"""
+    rows = torch.arange(span.num_tokens, device=device)[:, None] + offset
+    columns = torch.arange(span.context_len, device=device)[None, :]
+    mask = columns <= rows
+    if window is not None:
+        mask &= columns > rows - window
+    return mask

@@ -25,7 +25,10 @@ from tqdm.auto import tqdm
 from llmaccel.quantization.formats import METHODS, Int8Weight, check_group_size, quantize, quantize_int8
 from llmaccel.quantization.prequantized import CONFIG_NAME
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# the decoder projections of every family stored in [out, in] (Llama, Qwen3, Gemma; Phi-3's fused ones)
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight")
+# AWQ folds each scale into the norm or projection before it, which it knows for these layouts only
+AWQ_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 EMBEDDING_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -56,7 +59,7 @@ class AWQOptions:
 def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Path, awq: AWQOptions | None = None,
                         quantize_embedding: bool = False, progress: bool = True) -> Path:
     from llmaccel.llm import LLM
-    from llmaccel.model.loader import hf_dir_for, load_weights
+    from llmaccel.model.loader import hf_dir_for, load_weights, read_spec
     from llmaccel.quantization.quality import validation_perplexity
 
     if method not in METHODS:
@@ -66,6 +69,13 @@ def quantize_checkpoint(model: str, method: str, group_size: int | None, out: Pa
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; choose a new --out directory")
     hf_dir = hf_dir_for(model)
+    architecture = read_spec(hf_dir).architecture
+    if architecture == "GPT2LMHeadModel":
+        raise ValueError(f"{model} is GPT-2, whose checkpoints llmaccel does not save quantized; quantize it at load "
+                         "with --quantization int8 or int4")
+    if awq is not None and architecture not in AWQ_ARCHITECTURES:
+        raise ValueError(f"AWQ runs on {', '.join(AWQ_ARCHITECTURES)}, not {architecture}: drop --awq (plain "
+                         f"{method} works for every family)")
     float_model = LLM(model)  # the reference perplexity, and AWQ's calibration activations
     reference = validation_perplexity(float_model.engine)
     weights = {name: tensor.float() for name, tensor in load_weights(hf_dir).items()}

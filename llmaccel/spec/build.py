@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from llmaccel.config import SpeculativeConfig
+from llmaccel.model.causal_lm import CausalLM, unify_bf16_kernels
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.llama import LlamaForCausalLM, unify_bf16_kernels
 from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.registry import model_class
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner
 from llmaccel.spec.draft_head import DraftHead, HeadDrafter
@@ -22,7 +23,7 @@ from llmaccel.spec.policy import SpeculationPolicy
 logger = logging.getLogger(__name__)
 
 
-def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+def build_speculation(config: SpeculativeConfig, target: CausalLM, tokenizer, num_blocks: int,
                       block_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int,
                       windowed: bool, use_kernel: bool | None = None) -> tuple[Drafter, SpeculationPolicy] | None:
     """The drafter and the policy, or None when speculation is off. Raises ValueError naming the problem:
@@ -51,14 +52,14 @@ def build_speculation(config: SpeculativeConfig, target: LlamaForCausalLM, token
     return drafter, policy
 
 
-def build_model_drafter(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+def build_model_drafter(config: SpeculativeConfig, target: CausalLM, tokenizer, num_blocks: int,
                         block_size: int, dtype: torch.dtype, device: torch.device, max_model_len: int,
                         use_kernel: bool | None) -> ModelDrafter:
     """A smaller model with the target's tokenizer, its LM head cut if asked."""
     checkpoint = load_checkpoint(config.speculative_model)
     check_same_tokenizer(config.speculative_model, checkpoint.spec, checkpoint.tokenizer, target.spec, tokenizer)
-    draft = LlamaForCausalLM(checkpoint.spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
-                             use_kernel=use_kernel)
+    draft = model_class(checkpoint.spec.architecture)(checkpoint.spec, checkpoint.weights, dtype, device,
+                                                      max_positions=max_model_len, use_kernel=use_kernel)
     del checkpoint
     vocabulary, size = None, config.speculative_draft_vocab
     if size is not None:
@@ -78,13 +79,16 @@ def build_model_drafter(config: SpeculativeConfig, target: LlamaForCausalLM, tok
     return ModelDrafter(ModelRunner(draft, num_blocks, block_size, dtype, device), vocabulary)
 
 
-def build_head_drafter(config: SpeculativeConfig, target: LlamaForCausalLM, tokenizer, num_blocks: int,
+def build_head_drafter(config: SpeculativeConfig, target: CausalLM, tokenizer, num_blocks: int,
                        block_size: int, dtype: torch.dtype, device: torch.device) -> HeadDrafter:
     """A draft head (`llmaccel distill-head`) drafting over the vocabulary it was trained on, unless
     --speculative-draft-vocab says otherwise."""
     from transformers import AutoTokenizer
 
     directory = Path(config.speculative_model).expanduser()
+    if type(target).__name__ != "LlamaForCausalLM":
+        raise ValueError(f"a draft head ({directory}) drafts for Llama-family models (Llama, Mistral, Qwen2, SmolLM2); "
+                         f"this model is {target.spec.architecture}: use a draft model or --speculative-method ngram")
     head = DraftHead(directory, target, dtype, device)
     if head.section.get("kind") != "eagle":
         raise ValueError(f"{directory}: draft head kind {head.section.get('kind')!r} is not one llmaccel runs (eagle)")

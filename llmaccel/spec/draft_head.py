@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from llmaccel.engine.scheduler import ScheduledRequest
+from llmaccel.model.causal_lm import CausalLM, WeightLoader
 from llmaccel.model.layers import Linear, RMSNorm
-from llmaccel.model.llama import LlamaForCausalLM, _WeightTaker, decoder_layer
+from llmaccel.model.llama import decoder_layer
 from llmaccel.ops.attention import AttentionMetadata
 from llmaccel.runner import ModelRunner, Span
 from llmaccel.spec.draft_vocab import DraftVocabulary
@@ -37,21 +38,21 @@ MAX_PENDING = 4096  # target features kept a request while it does not draft (po
 class DraftHead(nn.Module):
     """The head's layer and norm; the target's embedding, RoPE tables, attention and LM head."""
 
-    def __init__(self, directory: Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, directory: Path, target: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
         from safetensors.torch import load_file
 
         super().__init__()
         directory = Path(directory).expanduser()
         self.section = read_head_section(directory)
         self.spec = replace(target.spec, num_layers=1, sliding_window=None, sliding_layers=())
-        take = _WeightTaker(load_file(str(directory / "model.safetensors")), dtype, device)
+        take = WeightLoader(load_file(str(directory / "model.safetensors")), dtype, device)
         hidden = target.spec.hidden_size
         fc = take("fc.weight")
         if tuple(fc.shape) != (hidden, 2 * hidden):
             raise ValueError(f"the draft head {directory} was trained for a model {fc.shape[0]} wide, not this "
                              f"model's {hidden}: train one for it with `llmaccel distill-head --model ...`")
         self.fc = Linear(fc)
-        self.layers = nn.ModuleList([decoder_layer(self.spec, 0, take, lambda names, bias, _: Linear(take.cat(names)))])
+        self.layers = nn.ModuleList([decoder_layer(self.spec, 0, take)])
         self.norm = RMSNorm(hidden, self.spec.rms_norm_eps)
         self.norm.weight.data = take("model.norm.weight")
         self.embedding, self.lm_head = target.embedding, target.lm_head

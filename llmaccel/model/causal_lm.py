@@ -1,0 +1,243 @@
+"""What every model family shares: weights from the checkpoint, embedding and LM head, the layer loop over a
+flattened batch with paged KV, logits, and the per-shape kernel choice of the CPU projections.
+
+A family (model/llama.py, qwen3.py, gemma.py, phi3.py, gpt2.py) subclasses `CausalLM` with its `read_spec`
+and `build_layer`. A layer is called as `layer(hidden, residual, positions, rotary, attention, kv_cache,
+meta) -> (hidden, residual)`: `hidden` is the previous layer's output not yet added to the residual stream
+(None residual at the first layer), so each add folds into the norm after it; `projections` lists its linear
+modules in the order a step reads them. The model sees `[total_tokens, hidden]`; the LM head runs only on
+the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from llmaccel.errors import CorruptCheckpointError
+from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear
+from llmaccel.model.spec import ModelSpec
+from llmaccel.ops.attention import AttentionMetadata, PagedAttention
+from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
+from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
+from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
+
+
+class WeightLoader:
+    """Named checkpoint tensors, cast and placed (a missing one is an error naming it), and the projections
+    built from them: dense, quantized at load (`quantization`), or the checkpoint's own quantized weights
+    (`prequantized`, by tensor name) used as they are."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None, group_size: int | None = None,
+                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+        self.quantization, self.group_size = quantization, group_size
+        self.prequantized = prequantized or {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights or name in self.prequantized
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise CorruptCheckpointError(f"checkpoint has no tensor {name!r}")
+        return self.prepare(name, self.weights[name]).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def prepare(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A family's own layout fix (GPT-2 transposes its Conv1D weights); as stored by default."""
+        return tensor
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        return torch.cat([self(n) for n in names], dim=0)
+
+    def linear(self, names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
+        """One projection from the named weights stacked (q, k and v into one matmul, say)."""
+        ready = [self.prequantized.get(n) for n in names]
+        if all(w is not None for w in ready) and same_format(ready):
+            return quantized_linear(concat_weights(ready), bias, self.device)
+        return build_linear(self.cat(names), bias, self.quantization, self.group_size, name)
+
+    def int8_table(self, name: str) -> nn.Module:
+        ready = self.prequantized.get(name)
+        return quantized_linear(ready if isinstance(ready, Int8Weight) else quantize_int8(self(name)), None,
+                                self.device)
+
+    def norm(self, name: str, eps: float, offset: float = 0.0) -> RMSNorm:
+        """An RMSNorm with the named weight (+ `offset`: Gemma stores w for a scale of 1 + w)."""
+        if name not in self.weights:
+            raise CorruptCheckpointError(f"checkpoint has no tensor {name!r}")
+        weight = self.weights[name].float() + offset  # in float32, as Gemma adds it, then cast
+        norm = RMSNorm(weight.shape[-1], eps)
+        norm.weight.data = weight.to(device=self.device, dtype=self.dtype).contiguous()
+        return norm
+
+
+class CausalLM(nn.Module):
+    embed_name = "model.embed_tokens.weight"
+    head_name = "lm_head.weight"
+    final_norm_name = "model.norm.weight"
+    norm_offset = 0.0  # Gemma's (1 + w) norms
+    loader_class = WeightLoader
+    # decode-only steps through the C++ decode stack (model/decode_stack.py): Llama-shaped layers only
+    uses_decode_stack = False
+
+    @classmethod
+    def read_spec(cls, config: dict, source: str) -> ModelSpec:
+        raise NotImplementedError
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, use_kernel: bool | None = None,
+                 quantization: str | None = None, group_size: int | None = None,
+                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None,
+                 quantize_embedding: bool = False) -> None:
+        """`quantization` (int8 / int4) applies to every decoder linear layer. The embedding and the LM
+        head stay in `dtype` (mixed precision, as weight-only schemes recommend) unless
+        `quantize_embedding`: then they are INT8 per row, and a tied pair shares one INT8 copy.
+        `prequantized` gives ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved
+        quantized checkpoint's), used as they are where present."""
+        super().__init__()
+        self.spec = spec
+        take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized)
+        self.embed_name, self.head_name, self.final_norm_name = self.weight_names(take)
+        self.build_embedding(take, quantize_embedding)
+        self.layers = nn.ModuleList([self.build_layer(i, take) for i in range(spec.num_layers)])
+        self.norm = self.build_final_norm(take)
+        self.rotary = self.build_rotary(max_positions, dtype, device)
+        self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
+                                        scale=spec.attention_scale, softcap=spec.attn_softcap)
+        if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
+            choose_bf16_kernels(self)
+            choose_quantized_kernels(self)
+        self.decode_stack = None
+        if self.uses_decode_stack and device.type == "cpu" and use_kernel is not False:
+            from llmaccel.model.decode_stack import build_decode_stack
+
+            self.decode_stack = build_decode_stack(self)  # None: layer by layer (the reason logged)
+
+    def weight_names(self, take: WeightLoader) -> tuple[str, str, str]:
+        """(embedding, LM head, final norm) tensor names in this checkpoint."""
+        return self.embed_name, self.head_name, self.final_norm_name
+
+    def build_embedding(self, take: WeightLoader, quantize_embedding: bool) -> None:
+        """`self.embedding` and `self.lm_head`: one copy when tied, where the layout can be read by rows."""
+        spec, table = self.spec, take.weights.get(self.embed_name)
+        if table is not None and tuple(table.shape) != (spec.vocab_size, spec.hidden_size):
+            raise CorruptCheckpointError(f"tensor {self.embed_name!r} is {tuple(table.shape)}, but config.json gives "
+                                         f"vocab_size x hidden_size = ({spec.vocab_size}, {spec.hidden_size})")
+        tied = spec.tie_word_embeddings or self.head_name not in take
+        if quantize_embedding or self.embed_name in take.prequantized:
+            self.embedding = take.int8_table(self.embed_name)
+        elif tied:
+            table = Linear(take(self.embed_name))
+            self.embedding = table if table.has_rows else Embedding(take(self.embed_name))
+        else:
+            self.embedding = Embedding(take(self.embed_name))
+        if tied:
+            self.lm_head = table if isinstance(self.embedding, Embedding) else self.embedding
+        elif isinstance(self.embedding, Embedding):
+            self.lm_head = Linear(take(self.head_name))
+        else:
+            self.lm_head = take.int8_table(self.head_name)
+
+    def build_layer(self, i: int, take: WeightLoader) -> nn.Module:
+        raise NotImplementedError
+
+    def build_final_norm(self, take: WeightLoader) -> nn.Module:
+        return take.norm(self.final_norm_name, self.spec.rms_norm_eps, self.norm_offset)
+
+    def build_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+        spec = self.spec
+        return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype).to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input; an INT8 table's rows come back in float32: the stream runs in the model's dtype."""
+        return self.embedding.rows(input_ids).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.decode_stack is not None:
+            normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
+            if normed is not None:
+                return normed
+        hidden, residual = self.embed(input_ids, positions), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)
+        return self.norm.add_forward(hidden, residual)[0] if residual is not None else self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits; an INT8/INT4 head's kernel sums in float32 and hands them over unrounded. Gemma 2
+        caps them (cap * tanh(logits / cap)), as HF does before sampling."""
+        if isinstance(self.lm_head, Int8Linear | Int4Linear):
+            logits = self.lm_head.float_forward(hidden)
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+
+
+def _all_projections(model: CausalLM) -> list[nn.Module]:
+    return [m for layer in model.layers for m in layer.projections]
+
+
+def choose_bf16_kernels(model: CausalLM) -> None:
+    """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
+    plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
+    (ops/kernel_choice.py). A tied embedding table is the head's weight: it reads its rows in that layout."""
+    modules = tuple(model.layers[0].projections)
+    plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
+    head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.weight is not None else None
+    if head is not None and head.weight.dtype != torch.bfloat16:
+        head = None
+    if not plain and head is None:
+        return
+    every = ([m.weight for m in _all_projections(model) if isinstance(m, Linear) and m.weight is not None]
+             if plain else [])
+    layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
+                                           head.weight if head is not None else None, every)
+    if layers_choice is not None:
+        for m in _all_projections(model):
+            m.set_bf16_choice(layers_choice)
+    if head is not None:
+        head.set_bf16_choice(head_choice)
+
+
+def unify_bf16_kernels(model: CausalLM, rows: int) -> None:
+    """Every bf16 projection (and the decode stack) runs the one-row kernel from 1 to `rows` rows
+    (Bf16Choice.lone_kernel_to). Speculative decoding asks this for 1 + K rows: verifying a lone request's
+    drafts then rounds as decoding it without drafts does, whichever kernels the tuner chose."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.is_bf16:
+            module.set_bf16_choice(module.bf16_choice.lone_kernel_to(rows))
+    stack = model.decode_stack
+    if stack is not None and isinstance(stack.choice, Bf16Choice):
+        stack.choice = stack.choice.lone_kernel_to(rows)
+
+
+def _in_blocks(module: nn.Module) -> bool:
+    return isinstance(module, Int8Linear | Int4Linear) and module.streams
+
+
+def choose_quantized_kernels(model: CausalLM) -> None:
+    """In a bfloat16 model, times the streaming and the AMX kernel on the INT8/INT4 projections in
+    llmaccel's blocks (or reads the cached timing) and gives each such module its batch choice: the
+    layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py)."""
+    modules = list(model.layers[0].projections)
+    layers = modules if all(_in_blocks(m) for m in modules) else []
+    head = model.lm_head if _in_blocks(model.lm_head) else None
+    if not layers and head is None:
+        return
+    layers_choice, head_choice = tune_quantized(layers, head)
+    if layers_choice is not None:
+        for m in _all_projections(model):
+            if _in_blocks(m):
+                m.batch_choice = layers_choice
+    if head is not None:
+        head.batch_choice = head_choice

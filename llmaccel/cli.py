@@ -152,6 +152,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("compare", "compare", "the headline table: HF baseline server vs llmaccel (and peers)", "add_arguments", "run"),
     ("hf-server", "hf_server", "the HF transformers baseline server (one request at a time)", "add_arguments", "run"),
     ("offline", "offline", "llmaccel vs HF transformers on the same prompts, in one run", "add_arguments", "run"),
+    ("families", "families", "every model family (Llama, Qwen3, Phi-3, Gemma 1/2/3, GPT-2) at the default model's "
+     "shape with random weights: HF transformers against llmaccel, one request and a batch", "add_arguments", "run"),
     ("cascade", "cascade", "a small/large cascade at every confidence threshold: compute per request against "
      "agreement with the large model's answers and its judgement of them; a plot and a recommended point",
      "add_arguments", "run"),

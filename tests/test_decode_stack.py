@@ -1,6 +1,7 @@
 """The decode step in one C++ call (model/decode_stack.py) against the layer-by-layer path: the same
 kernels in the same order, so every logit must agree to the bit, for float32, INT8 and INT4 weights,
-q/k/v bias, tied tables, sliding windows and batches of sequences at different lengths."""
+q/k/v bias, q/k norms (Qwen3), fused projections (Phi-3), tied tables, sliding windows and batches of
+sequences at different lengths."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.ops.kernel_choice import FORCE_ENV, QUANT_FORCE_ENV, candidates
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import _common
+
+# the families whose layers the stack runs: the Llama family's, Qwen3's (q/k norms in the stack), Phi-3's
+STACKED = ["llama-gqa", "qwen2-bias", "llama-tied", "qwen3", "phi3"]
 
 pytestmark = pytest.mark.skipif(not hasattr(load_cpu_kernels(), "DecodeStack"),
                                 reason="C++ kernels unavailable on this machine")
@@ -52,7 +56,7 @@ def _stack_against_layers(llm: LLM, prompts: list[list[int]], tokens: int) -> No
     model.decode_stack = stack
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("name", STACKED)
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_stack_gives_the_layer_paths_logits_to_the_bit(tiny_model_dirs, name, quantization):
     llm = LLM(str(tiny_model_dirs[name]), dtype="float32", quantization=quantization)
@@ -69,7 +73,7 @@ def test_the_stack_keeps_to_each_layers_sliding_window(tmp_path, tiny_tokenizer)
     _stack_against_layers(llm, _prompts(), tokens=40)  # every sequence decodes far past its window
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("name", STACKED)
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_bfloat16_steps_of_few_rows_take_the_stack_to_the_bit(tiny_model_dirs, name, quantization):
     # no prefix cache: the second run must prefill as the first did (oneDNN's bf16 sums depend on the rows)
@@ -89,7 +93,7 @@ def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
     _stack_against_layers(llm, _prompts(), tokens=16)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("name", STACKED)
 @pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn", "vnni_stream", "brgemm"])
 def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_dirs, name, kernel, monkeypatch):
     """Three sequences decode together: the stack streams, runs the AVX512-BF16 GEMM inside its region, or
@@ -104,7 +108,7 @@ def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_
     _stack_against_layers(llm, _prompts(), tokens=24)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("name", STACKED)
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_bfloat16_batches_take_the_stack_to_the_bit_on_amx(tiny_model_dirs, name, quantization,
                                                                       monkeypatch):

@@ -40,8 +40,9 @@ def test_each_family_loads_into_its_own_class_and_its_float32_logits_are_hfs(tin
     model = llm.engine.runner.model
     assert type(model) is model_class(ARCHITECTURES[name])
     assert type(model).__module__ == "llmaccel.model." + ("gemma" if name.startswith("gemma") else name)
-    # Phi-3's layers are Llama's once loaded: its decode steps run the C++ decode stack; the others, layer by layer
-    assert (model.decode_stack is not None) == (name == "phi3" and llm.engine.runner.model.attention.uses_kernel)
+    # Phi-3's layers are Llama's once loaded, Qwen3's Llama's with q/k norms: their decode steps run the C++ decode
+    # stack (tests/test_decode_stack.py holds it to the layer path); the others decode layer by layer
+    assert (model.decode_stack is not None) == (name in ("phi3", "qwen3") and model.attention.uses_kernel)
     ids = tiny_tokenizer.encode(TEXT)
     with torch.no_grad():
         expected = _hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
@@ -64,6 +65,18 @@ def test_windowed_families_match_hf_well_past_their_window(tiny_model_dirs, tiny
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, options
         assert llm.engine.num_free_blocks == llm.engine.num_blocks
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_phi3s_sliding_window_slides_every_layer_and_matches_hf_past_it(tiny_model_dirs, tiny_tokenizer, tmp_path):
+    """Phi-3-mini slides every layer (window 2047): the KV cache then frees the blocks the window has passed."""
+    model_dir = _copy_with_config(tiny_model_dirs["phi3"], tmp_path / "phi3-window", sliding_window=16)
+    prompts = [tiny_tokenizer.encode(TEXT * 2), tiny_tokenizer.encode(TEXT[:40])]
+    expected = [hf_greedy(model_dir, p, 40) for p in prompts]
+    llm = LLM(str(model_dir), block_size=8)
+    assert llm.engine.spec.kv_window == 16
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
 # The stated bound, the same for every family: the RMS error of INT8 (per-channel) logits within this fraction
@@ -198,7 +211,7 @@ def test_phi3_partial_rotary_is_refused_by_name(tiny_model_dirs, tmp_path):
         LLM(str(bad))
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_saved_quantized_checkpoints_of_other_families_reload_to_identical_outputs(tiny_model_dirs, tmp_path, name):
     from llmaccel.cli import main
 

@@ -94,7 +94,9 @@ def build_decode_stack(model: CausalLM) -> DecodeStack | None:
                         "decoding layer by layer", i)
             return None
         try:  # the stack checks shapes, widths and dtypes itself
-            stack.add_layer(*parts, layer.input_norm.weight.data, layer.post_norm.weight.data, layer.window or 0)
+            q_norm, k_norm = (getattr(getattr(layer, name, None), "weight", None) for name in ("q_norm", "k_norm"))
+            stack.add_layer(*parts, layer.input_norm.weight.data, layer.post_norm.weight.data, layer.window or 0,
+                            None if q_norm is None else q_norm.data, None if k_norm is None else k_norm.data)
         except RuntimeError as exc:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])

@@ -35,6 +35,7 @@ class Qwen3DecoderLayer(DecoderLayer):
 
 
 class Qwen3ForCausalLM(CausalLM):
+    uses_decode_stack = True  # the stack normalises q and k heads before RoPE, as attend does
     @classmethod
     def read_spec(cls, config: dict, source: str) -> ModelSpec:
         return llama_spec({**config, "model_type": "qwen3"}, source, "Qwen3ForCausalLM", qk_norm=True)

@@ -115,6 +115,7 @@ struct StackLayer {
   std::shared_ptr<StackLinear> qkv, o, gate_up, down;
   torch::Tensor input_norm, post_norm;
   int64_t window;  // sliding window, 0 for none
+  torch::Tensor q_norm, k_norm;  // [head_dim] RMSNorm weights applied to each q and k head before RoPE (Qwen3), or undefined
 };
 
 // [begin, end) of `units` for thread `tid` of `threads`, in near-equal runs.
@@ -200,7 +201,14 @@ class DecodeStack {
 
   void add_layer(std::shared_ptr<StackLinear> qkv, std::shared_ptr<StackLinear> o,
                  std::shared_ptr<StackLinear> gate_up, std::shared_ptr<StackLinear> down, torch::Tensor input_norm,
-                 torch::Tensor post_norm, int64_t window) {
+                 torch::Tensor post_norm, int64_t window, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    for (const auto* w : {&q_norm, &k_norm}) {
+      TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == dtype_ && (*w)->is_contiguous() &&
+                                      (*w)->numel() == head_dim_),
+                  "q/k norm weights must be contiguous [head_dim] of the stack's dtype");
+    }
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     TORCH_CHECK(qkv->k == hidden_ && qkv->n == q_size + 2 * kv_size, "qkv must map hidden to q, k, v");
     TORCH_CHECK(o->k == q_size && o->n == hidden_, "o must map the heads to hidden");
@@ -221,7 +229,8 @@ class DecodeStack {
       all_quantized_ &= (*w)->quantized();
     }
     check_norm(post_norm);
-    layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window});
+    layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window,
+                       q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor())});
   }
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
@@ -332,12 +341,19 @@ class DecodeStack {
       const auto range = share((w.n + unit - 1) / unit, tid, threads);
       columns(input, w, y, w.n, range.first * unit, std::min(w.n, range.second * unit));
     };
-    // RoPE on an item's query and key heads, and its key and value into the pool
+    // RoPE on an item's query and key heads (each normalised first where the layer has q/k norms, as the
+    // layer path's RMSNorm over [tokens * heads, head_dim] does), and its key and value into the pool
     auto rotate_and_write = [&](int64_t item, size_t l) {
       const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
       T* row = qkv_p + s * qkv_n;
       T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
       const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
+      const StackLayer& layer = layers_[l];
+      if (layer.q_norm.defined()) {
+        for (int64_t h = 0; h < group; ++h)
+          rms_norm_row(q + h * head_dim_, nullptr, layer.q_norm.data_ptr<T>(), q + h * head_dim_, head_dim_, eps);
+        rms_norm_row(k, nullptr, layer.k_norm.data_ptr<T>(), k, head_dim_, eps);
+      }
       rope_heads(q, group, head_dim_, c, sn);
       rope_heads(k, 1, head_dim_, c, sn);
       std::memcpy(k_caches[l].data_ptr<T>() + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
@@ -521,7 +537,9 @@ void bind_decode_stack(pybind11::module& m) {
         py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
-      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("window"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

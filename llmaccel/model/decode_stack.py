@@ -65,11 +65,25 @@ class DecodeStack:
         rows = input_ids.shape[0]
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype:
             return None
-        hidden = model.embedding.rows(input_ids).to(self.dtype)
+        hidden = model.embed(input_ids, positions).to(self.dtype)
         kernel = "stream" if self.choice is None else self.choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
                                   meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first)
+
+
+def _layer_extras(layer: nn.Module) -> dict:
+    """What a layer adds to Llama's, as the stack takes it: Qwen3's and Gemma 3's q/k norms, Gemma 2/3's norms
+    around the MLP, Gemma 3's local rotary tables, Gemma's GeGLU."""
+    def weight(name: str) -> torch.Tensor | None:
+        norm = getattr(layer, name, None)
+        return None if norm is None else norm.weight.data
+
+    extras = {name: weight(name) for name in ("q_norm", "k_norm", "pre_mlp_norm", "post_mlp_norm")}
+    local = getattr(layer, "local_rotary", None)
+    extras.update(cos=None if local is None else local.cos, sin=None if local is None else local.sin,
+                  activation=layer.mlp.activation)
+    return extras
 
 
 def build_decode_stack(model: CausalLM) -> DecodeStack | None:
@@ -80,12 +94,15 @@ def build_decode_stack(model: CausalLM) -> DecodeStack | None:
     spec, dtype = model.spec, model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.rotary.cos.dtype != dtype:
         return None
-    streamed = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    if model.attention.softcap is not None:
+        logger.info("soft-capped attention runs in torch: decoding layer by layer")
+        return None
+    streamed = [m for layer in model.layers for m in layer.projections]
     arena = WeightArena([*streamed, model.lm_head], model)  # the modules now hold views of it
     logger.info("decode weights: %.0f MB in one mapping%s", arena.nbytes / 1e6,
                 " on huge pages" if arena.huge_pages else "")
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                spec.rms_norm_eps, model.norm.weight.data)
+                                spec.rms_norm_eps, model.norm.weight.data, model.attention.scale)
     for i, layer in enumerate(model.layers):
         modules = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
         parts = [stack_linear(kernels, m) for m in modules]
@@ -94,9 +111,8 @@ def build_decode_stack(model: CausalLM) -> DecodeStack | None:
                         "decoding layer by layer", i)
             return None
         try:  # the stack checks shapes, widths and dtypes itself
-            q_norm, k_norm = (getattr(getattr(layer, name, None), "weight", None) for name in ("q_norm", "k_norm"))
             stack.add_layer(*parts, layer.input_norm.weight.data, layer.post_norm.weight.data, layer.window or 0,
-                            None if q_norm is None else q_norm.data, None if k_norm is None else k_norm.data)
+                            **_layer_extras(layer))
         except RuntimeError as exc:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])

@@ -71,6 +71,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class GemmaForCausalLM(CausalLM):
+    uses_decode_stack = True  # GeGLU, the sandwich norms, q/k norms and local tables are in the stack too
     norm_offset = 1.0
     sandwich = False  # Gemma 2 and 3's four norms a layer
     qk_norm = False
@@ -105,6 +106,7 @@ class GemmaForCausalLM(CausalLM):
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
+    uses_decode_stack = False  # its soft-capped attention scores run the torch attention paths only
     sandwich = True
 
     @classmethod
@@ -121,6 +123,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    uses_decode_stack = True
     qk_norm = True
 
     @classmethod

@@ -23,7 +23,7 @@ from llmaccel.ops.cpu_linear import (
     vnni_rows,
 )
 from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, pack_vnni
-from llmaccel.ops.layer_ops import kernels_for, rms_norm_reference, rope_reference, silu_mul
+from llmaccel.ops.layer_ops import gelu_tanh_mul, kernels_for, rms_norm_reference, rope_reference, silu_mul
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
 
@@ -229,8 +229,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":
             return self.down(silu_mul(self.gate_up(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+        return self.down(gelu_tanh_mul(self.gate_up(x)))
 
 
 def weight_bytes(model) -> int:

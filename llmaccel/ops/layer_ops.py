@@ -1,5 +1,5 @@
 """The small operations between a decoder layer's matmuls: RMSNorm (with the residual add folded in),
-rotary embedding, SiLU-and-mul.
+rotary embedding, SiLU-and-mul and GeLU-and-mul.
 
 On the CPU each is one call into llmaccel's C++ kernels (csrc/layer_ops.cpp), float32 and bfloat16;
 torch's own ops cost more in dispatch than in arithmetic at decode (one row of 576: F.rms_norm 37 us,
@@ -41,6 +41,11 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _self_check(kernels: ModuleType) -> str | None:
     """None if each kernel matches its reference on random rows (both dtypes), else which failed."""
     gen = torch.Generator().manual_seed(0)
@@ -70,6 +75,9 @@ def _self_check(kernels: ModuleType) -> str | None:
         if not torch.allclose(kernels.silu_mul(gate_up), silu_mul_reference(gate_up), atol=tolerance,
                               rtol=tolerance):
             return "silu_mul"
+        if not torch.allclose(kernels.gelu_tanh_mul(gate_up * 4), gelu_tanh_mul_reference(gate_up * 4),
+                              atol=tolerance, rtol=tolerance):
+            return "gelu_tanh_mul"
     return None
 
 
@@ -92,3 +100,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if kernels is None or not gate_up.is_contiguous():
         return silu_mul_reference(gate_up)
     return kernels.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gelu_tanh(gate) * up, by the C++ kernel the decode stack runs too (so the two agree to the bit)."""
+    kernels = kernels_for(gate_up)
+    if kernels is None or not gate_up.is_contiguous():
+        return gelu_tanh_mul_reference(gate_up)
+    return kernels.gelu_tanh_mul(gate_up)

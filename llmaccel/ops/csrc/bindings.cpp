@@ -12,6 +12,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots);
 torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -64,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given", nogil);
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of [T, 2I] rows (GeGLU)", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel", nogil);
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF", nogil);
   m.def("mask_rows_", &mask_rows_, "grammar bitmasks onto rows of logits, in place (-inf where a bit is clear)",

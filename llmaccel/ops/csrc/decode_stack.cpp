@@ -116,6 +116,11 @@ struct StackLayer {
   torch::Tensor input_norm, post_norm;
   int64_t window;  // sliding window, 0 for none
   torch::Tensor q_norm, k_norm;  // [head_dim] RMSNorm weights applied to each q and k head before RoPE (Qwen3), or undefined
+  // Gemma 2/3's sandwich: post_norm normalises the attention output (no residual add), pre_mlp_norm adds it to
+  // the residual and normalises the MLP input, post_mlp_norm normalises the MLP output; undefined for Llama
+  torch::Tensor pre_mlp_norm, post_mlp_norm;
+  torch::Tensor cos, sin;  // this layer's own rotary tables (Gemma 3's local layers), or undefined: the step's
+  bool gelu;               // GeGLU (Gemma) in place of SwiGLU
 };
 
 // [begin, end) of `units` for thread `tid` of `threads`, in near-equal runs.
@@ -190,10 +195,11 @@ struct ProjectionInput {
 
 class DecodeStack {
  public:
+  // `scale`: the attention softmax scale (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5)
   DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-              torch::Tensor final_norm)
+              torch::Tensor final_norm, double scale)
       : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        dtype_(final_norm.scalar_type()), final_norm_(final_norm) {
+        scale_(scale), dtype_(final_norm.scalar_type()), final_norm_(final_norm) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
     TORCH_CHECK(dtype_ == torch::kFloat32 || dtype_ == torch::kBFloat16, "the stack runs float32 or bfloat16");
     check_norm(final_norm);
@@ -202,8 +208,22 @@ class DecodeStack {
   void add_layer(std::shared_ptr<StackLinear> qkv, std::shared_ptr<StackLinear> o,
                  std::shared_ptr<StackLinear> gate_up, std::shared_ptr<StackLinear> down, torch::Tensor input_norm,
                  torch::Tensor post_norm, int64_t window, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm) {
+                 c10::optional<torch::Tensor> k_norm, c10::optional<torch::Tensor> pre_mlp_norm,
+                 c10::optional<torch::Tensor> post_mlp_norm, c10::optional<torch::Tensor> cos,
+                 c10::optional<torch::Tensor> sin, const std::string& activation) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    TORCH_CHECK(pre_mlp_norm.has_value() == post_mlp_norm.has_value(), "the MLP's two norms come together");
+    TORCH_CHECK(cos.has_value() == sin.has_value(), "a layer's cos and sin tables come together");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "unknown MLP activation '", activation,
+                "' (silu or gelu_tanh)");
+    for (const auto* t : {&cos, &sin})
+      TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == dtype_ && (*t)->is_contiguous() && (*t)->dim() == 2 &&
+                                      (*t)->size(1) == head_dim_),
+                  "a layer's cos and sin must be contiguous [max_positions, D] of the stack's dtype");
+    if (pre_mlp_norm.has_value()) {
+      check_norm(*pre_mlp_norm);
+      check_norm(*post_mlp_norm);
+    }
     for (const auto* w : {&q_norm, &k_norm}) {
       TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == dtype_ && (*w)->is_contiguous() &&
                                       (*w)->numel() == head_dim_),
@@ -229,8 +249,10 @@ class DecodeStack {
       all_quantized_ &= (*w)->quantized();
     }
     check_norm(post_norm);
-    layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window,
-                       q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor())});
+    layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window, q_norm.value_or(torch::Tensor()),
+                       k_norm.value_or(torch::Tensor()), pre_mlp_norm.value_or(torch::Tensor()),
+                       post_mlp_norm.value_or(torch::Tensor()), cos.value_or(torch::Tensor()),
+                       sin.value_or(torch::Tensor()), activation == "gelu_tanh"});
   }
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
@@ -292,7 +314,7 @@ class DecodeStack {
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const T *cos_p = cos.data_ptr<T>(), *sin_p = sin.data_ptr<T>();
     const int64_t max_blocks = block_tables.size(1);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    const float scale = static_cast<float>(scale_);
     const float eps = static_cast<float>(eps_);
 
     // The phases; each takes this thread's number and the team's size.
@@ -303,6 +325,18 @@ class DecodeStack {
       for (int64_t r = rows.first; r < rows.second; ++r)
         rms_norm_row(first ? res + r * hidden_ : add + r * hidden_, first ? nullptr : res + r * hidden_,
                      weight.data_ptr<T>(), xn + r * hidden_, hidden_, eps);
+    };
+    // a sandwich norm: the rows of `add` normalised in place, nothing added
+    auto norm_in_place = [&](int tid, int threads, const torch::Tensor& weight) {
+      const auto rows = share(seqs, tid, threads);
+      for (int64_t r = rows.first; r < rows.second; ++r)
+        rms_norm_row(add + r * hidden_, nullptr, weight.data_ptr<T>(), add + r * hidden_, hidden_, eps);
+    };
+    auto activate = [](const StackLayer& layer, const T* g, const T* u, T* out, int64_t count) {
+      if (layer.gelu)
+        gelu_mul_row(g, u, out, count);
+      else
+        silu_mul_row(g, u, out, count);
     };
     // columns [c0, c1) of y = x W^T + b, rounded to T as the layer-by-layer path rounds them (the
     // bias added after the product's rounding, as torch adds it)
@@ -347,8 +381,10 @@ class DecodeStack {
       const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
       T* row = qkv_p + s * qkv_n;
       T *q = row + kvh * group * head_dim_, *k = row + q_size + kvh * head_dim_;
-      const T *c = cos_p + pos[s] * head_dim_, *sn = sin_p + pos[s] * head_dim_;
       const StackLayer& layer = layers_[l];
+      const T* layer_cos = layer.cos.defined() ? layer.cos.data_ptr<T>() : cos_p;
+      const T* layer_sin = layer.sin.defined() ? layer.sin.data_ptr<T>() : sin_p;
+      const T *c = layer_cos + pos[s] * head_dim_, *sn = layer_sin + pos[s] * head_dim_;
       if (layer.q_norm.defined()) {
         for (int64_t h = 0; h < group; ++h)
           rms_norm_row(q + h * head_dim_, nullptr, layer.q_norm.data_ptr<T>(), q + h * head_dim_, head_dim_, eps);
@@ -401,7 +437,12 @@ class DecodeStack {
 #pragma omp barrier
           project(tid, threads, input, *layer.o, attn_p, add);
 #pragma omp barrier
-          norm_rows(tid, threads, layer.post_norm, false);
+          if (layer.pre_mlp_norm.defined()) {  // sandwich: the attention output normalised, then added
+            norm_in_place(tid, threads, layer.post_norm);
+            norm_rows(tid, threads, layer.pre_mlp_norm, false);  // (the same rows: no barrier between)
+          } else {
+            norm_rows(tid, threads, layer.post_norm, false);
+          }
 #pragma omp barrier
           // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
           input.prepare(*layer.gate_up, xn, seqs, kernel);
@@ -411,10 +452,14 @@ class DecodeStack {
           columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);
           columns(input, *layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
           for (int64_t r = 0; r < seqs; ++r)
-            silu_mul_row(gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
+            activate(layer, gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
 #pragma omp barrier
           project(tid, threads, input, *layer.down, act_p, add);
 #pragma omp barrier
+          if (layer.post_mlp_norm.defined()) {
+            norm_in_place(tid, threads, layer.post_mlp_norm);
+#pragma omp barrier
+          }
         }
         norm_rows(tid, threads, final_norm_, false);
         if (uses_amx(kernel)) vnni_release();
@@ -439,16 +484,25 @@ class DecodeStack {
       });
       o_out = serial_linear<T>(*layer.o, attn, pending, project, in_parallel);
       add = o_out.data_ptr<T>();
-      in_parallel([&](int tid, int threads) { norm_rows(tid, threads, layer.post_norm, false); });
+      in_parallel([&](int tid, int threads) {
+        if (layer.pre_mlp_norm.defined()) {
+          norm_in_place(tid, threads, layer.post_norm);
+          norm_rows(tid, threads, layer.pre_mlp_norm, false);
+        } else {
+          norm_rows(tid, threads, layer.post_norm, false);
+        }
+      });
       gu_out = serial_linear<T>(*layer.gate_up, normed, gate_up, project, in_parallel);
       const T* gu_p = gu_out.data_ptr<T>();
       in_parallel([&](int tid, int threads) {
         const auto rows = share(seqs, tid, threads);
         for (int64_t r = rows.first; r < rows.second; ++r)
-          silu_mul_row(gu_p + r * 2 * inter, gu_p + r * 2 * inter + inter, act_p + r * inter, inter);
+          activate(layer, gu_p + r * 2 * inter, gu_p + r * 2 * inter + inter, act_p + r * inter, inter);
       });
       down_out = serial_linear<T>(*layer.down, act, pending, project, in_parallel);
       add = down_out.data_ptr<T>();
+      if (layer.post_mlp_norm.defined())
+        in_parallel([&](int tid, int threads) { norm_in_place(tid, threads, layer.post_mlp_norm); });
     }
     in_parallel([&](int tid, int threads) { norm_rows(tid, threads, final_norm_, false); });
     return normed;
@@ -510,6 +564,9 @@ class DecodeStack {
     const int64_t num_blocks = num_slots / block_size;
     for (int64_t s = 0; s < seqs; ++s) {
       TORCH_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), "position ", pos[s], " is outside the rotary table");
+      for (const auto& layer : layers_)
+        TORCH_CHECK(!layer.cos.defined() || pos[s] < layer.cos.size(0), "position ", pos[s],
+                    " is outside a layer's rotary table");
       TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "slot ", slot[s], " is outside the KV pool of ", num_slots);
       TORCH_CHECK(lens[s] >= 1 && lens[s] <= block_tables.size(1) * block_size, "context length ", lens[s],
                   " does not fit the block table");
@@ -521,7 +578,7 @@ class DecodeStack {
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_;
-  double eps_;
+  double eps_, scale_;
   torch::ScalarType dtype_;
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
@@ -536,10 +593,11 @@ void bind_decode_stack(pybind11::module& m) {
   m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
         py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("window"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none())
+           py::arg("k_norm") = py::none(), py::arg("pre_mlp_norm") = py::none(), py::arg("post_mlp_norm") = py::none(),
+           py::arg("cos") = py::none(), py::arg("sin") = py::none(), py::arg("activation") = "silu")
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

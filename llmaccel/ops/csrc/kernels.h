@@ -169,10 +169,13 @@ void rms_norm_row(const float* x, float* residual, const float* weight, float* o
 void rope_heads(float* v, int64_t heads, int64_t head_dim, const float* cos, const float* sin);
 // out[j] = silu(gate[j]) * up[j] for j < count.
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t count);
+// out[j] = gelu_tanh(gate[j]) * up[j] for j < count (GeGLU).
+void gelu_mul_row(const float* gate, const float* up, float* out, int64_t count);
 using bf16 = c10::BFloat16;
 void rms_norm_row(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int64_t h, float eps);
 void rope_heads(bf16* v, int64_t heads, int64_t head_dim, const bf16* cos, const bf16* sin);
 void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
+void gelu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
 
 // Decode attention of one (sequence, KV head) item: the `group` query heads at q (contiguous, scaled
 // inside) attend to keys first .. len - 1 of the sequence's block table; writes the group's outputs.

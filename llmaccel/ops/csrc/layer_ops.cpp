@@ -211,6 +211,35 @@ LLMACCEL_ONE_COPY void silu_row(const T* g, const T* u, T* o, int64_t count) {
   }
 }
 
+// GeLU's tanh approximation (torch's approximate="tanh") times up, with tanh(y) = 1 - 2 / (1 + exp(2y)) so
+// the vectorised exp serves it (exp overflowing to infinity gives tanh = 1, as it should)
+template <typename T>
+LLMACCEL_ONE_COPY void gelu_row(const T* g, const T* u, T* o, int64_t count) {
+  constexpr int64_t kChunk = 64;
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  float e[kChunk];  // exp(2y) of a chunk
+  for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+    const int64_t len = std::min(kChunk, count - j0);
+    for (int64_t j = 0; j < len; ++j) {
+      const float x = to_float(g[j0 + j]);
+      e[j] = 2.0f * kAlpha * (x + 0.044715f * x * x * x);
+    }
+    exp_inplace(e, len);
+    for (int64_t j = 0; j < len; ++j) {
+      const float x = to_float(g[j0 + j]);
+      const float gelu = 0.5f * x * (2.0f - 2.0f / (1.0f + e[j]));
+      o[j0 + j] = round_to<T>(rounded<T>(gelu) * to_float(u[j0 + j]));
+    }
+  }
+}
+
+template <typename T>
+void gelu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  over_rows(rows, inter, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) gelu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, inter);
+  });
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t h, float eps,
                    int64_t ld_x) {
@@ -253,6 +282,8 @@ void rope_heads(float* v, int64_t heads, int64_t head_dim, const float* cos, con
 
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t count) { silu_row(gate, up, out, count); }
 
+void gelu_mul_row(const float* gate, const float* up, float* out, int64_t count) { gelu_row(gate, up, out, count); }
+
 void rms_norm_row(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int64_t h, float eps) {
   norm_row(x, residual, weight, out, h, eps);
 }
@@ -262,6 +293,8 @@ void rope_heads(bf16* v, int64_t heads, int64_t head_dim, const bf16* cos, const
 }
 
 void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count) { silu_row(gate, up, out, count); }
+
+void gelu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count) { gelu_row(gate, up, out, count); }
 
 }  // namespace llmaccel
 
@@ -335,6 +368,22 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
                      }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
                        using T = at::BFloat16;
                        silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+                     }));
+  return out;
+}
+
+// gate_up [T, 2I] -> gelu_tanh(gate) * up, [T, I] (GeGLU: Gemma).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up must be contiguous [T, 2 * I]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "gelu_tanh_mul",
+                     AT_DISPATCH_CASE(torch::kFloat32, [&] {
+                       gelu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+                     }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+                       using T = at::BFloat16;
+                       gelu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
                      }));
   return out;
 }

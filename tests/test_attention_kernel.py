@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmaccel.ops.attention import reference_decode_attention
+from llmaccel.ops.attention import decode_gather, gathered_decode_attention, reference_decode_attention
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -29,6 +29,31 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window or 0, scale)
     want = reference_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, block_size, scale, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float32), (16, torch.float32), (64, torch.bfloat16)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores_match_the_torch_reference(head_dim, dtype, window):
+    """Gemma 2's cap, cap * tanh(s / cap), on the scaled scores before the softmax: the kernel (tanh through
+    its vectorised exp) against HF's formula in torch; a cap of 2 bites on unit-variance scores x 8."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: the engine falls back to the reference")
+    torch.manual_seed(2)
+    block_size, num_blocks, heads, kv_heads = 8, 32, 4, 2
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 9, 40], dtype=torch.int32)
+    tables = torch.randperm(num_blocks)[: 3 * 5].view(3, 5).to(torch.int32)
+    q = (torch.randn(3, heads, head_dim) * 8).to(dtype)
+    scale, cap = head_dim**-0.5, 2.0
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, window or 0, scale, cap)
+    gather = decode_gather(tables, lens, block_size, int(lens.max()), window)
+    want = gathered_decode_attention(q.float(), k_cache.float(), v_cache.float(), gather, scale, cap)
+    uncapped = gathered_decode_attention(q.float(), k_cache.float(), v_cache.float(), gather, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+    assert (want - uncapped).abs().max() > 0.1  # the cap changed the answer
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (10, 2, 64), (6, 1, 128), (5, 5, 128)])

@@ -15,9 +15,9 @@ from llmaccel.ops.kernel_choice import FORCE_ENV, QUANT_FORCE_ENV, candidates
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import _common
 
-# the families whose layers the stack runs: the Llama family's, Qwen3's (q/k norms), Phi-3's, Gemma's and Gemma 3's
-# (GeGLU, the norms around attention and MLP, local rotary tables)
-STACKED = ["llama-gqa", "qwen2-bias", "llama-tied", "qwen3", "phi3", "gemma", "gemma3"]
+# the families whose layers the stack runs: the Llama family's, Qwen3's (q/k norms), Phi-3's, Gemma 1, 2 and 3's
+# (GeGLU, the norms around attention and MLP, soft-capped scores, local rotary tables)
+STACKED = ["llama-gqa", "qwen2-bias", "llama-tied", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 
 pytestmark = pytest.mark.skipif(not hasattr(load_cpu_kernels(), "DecodeStack"),
                                 reason="C++ kernels unavailable on this machine")

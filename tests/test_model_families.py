@@ -41,8 +41,8 @@ def test_each_family_loads_into_its_own_class_and_its_float32_logits_are_hfs(tin
     assert type(model) is model_class(ARCHITECTURES[name])
     assert type(model).__module__ == "llmaccel.model." + ("gemma" if name.startswith("gemma") else name)
     # decode steps run the C++ decode stack (tests/test_decode_stack.py holds it to the layer path), but for
-    # Gemma 2 (its capped attention scores run in torch) and GPT-2 (LayerNorm, learned positions): layer by layer
-    assert (model.decode_stack is not None) == (name not in ("gemma2", "gpt2") and model.attention.uses_kernel)
+    # GPT-2 (LayerNorm with bias, learned positions, a plain GELU MLP): layer by layer
+    assert (model.decode_stack is not None) == (name != "gpt2" and model.attention.uses_kernel)
     ids = tiny_tokenizer.encode(TEXT)
     with torch.no_grad():
         expected = _hf_model(model_dir)(torch.tensor([ids])).logits[0].float()

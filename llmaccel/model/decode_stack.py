@@ -94,15 +94,13 @@ def build_decode_stack(model: CausalLM) -> DecodeStack | None:
     spec, dtype = model.spec, model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.rotary.cos.dtype != dtype:
         return None
-    if model.attention.softcap is not None:
-        logger.info("soft-capped attention runs in torch: decoding layer by layer")
-        return None
     streamed = [m for layer in model.layers for m in layer.projections]
     arena = WeightArena([*streamed, model.lm_head], model)  # the modules now hold views of it
     logger.info("decode weights: %.0f MB in one mapping%s", arena.nbytes / 1e6,
                 " on huge pages" if arena.huge_pages else "")
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                spec.rms_norm_eps, model.norm.weight.data, model.attention.scale)
+                                spec.rms_norm_eps, model.norm.weight.data, model.attention.scale,
+                                model.attention.softcap or 0.0)
     for i, layer in enumerate(model.layers):
         modules = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
         parts = [stack_linear(kernels, m) for m in modules]

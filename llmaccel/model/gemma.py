@@ -29,9 +29,9 @@ def _activation(config: dict, source: str) -> str:
     return _ACTIVATIONS[name]
 
 
-def _layer_types(config: dict, pattern: int) -> list[str]:
+def _layer_types(config: dict, pattern: int, source: str) -> list[str]:
     """HF's default when config.json does not list them: every `pattern`-th layer global, the rest local."""
-    with config_fields("config.json"):
+    with config_fields(source):
         count = int(config["num_hidden_layers"])
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)]
 
@@ -105,48 +105,46 @@ class GemmaForCausalLM(CausalLM):
         return hidden * torch.tensor(self.spec.hidden_size**0.5, dtype=hidden.dtype)  # HF's normalizer, in dtype
 
 
+def _sandwich_spec(config: dict, source: str, architecture: str, model_type: str, pattern: int,
+                   **family: object) -> ModelSpec:
+    """Gemma 2 and 3: local layers (every `pattern`-th global where config.json lists none), the query scale,
+    the soft caps."""
+    with config_fields(source):
+        layer_types = config.get("layer_types") or _layer_types(config, pattern, source)
+        scalar = float(config.get("query_pre_attn_scalar", 256))
+        caps = {key: None if config.get(name) is None else float(config[name])
+                for key, name in (("attn_softcap", "attn_logit_softcapping"),
+                                  ("final_softcap", "final_logit_softcapping"))}
+    return llama_spec({**config, "model_type": model_type, "layer_types": layer_types,
+                       "sliding_window": config.get("sliding_window", 4096)}, source, architecture,
+                      hidden_act=_activation(config, source), tie_word_embeddings=True, attention_scale=scalar**-0.5,
+                      **caps, **family)
+
+
 class Gemma2ForCausalLM(GemmaForCausalLM):
-    uses_decode_stack = False  # its soft-capped attention scores run the torch attention paths only
     sandwich = True
 
     @classmethod
     def read_spec(cls, config: dict, source: str) -> ModelSpec:
-        layer_types = config.get("layer_types") or _layer_types(config, 2)
-        with config_fields(source):
-            scalar = float(config.get("query_pre_attn_scalar", 256))
-            attn_cap, final_cap = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
-        return llama_spec({**config, "model_type": "gemma2", "layer_types": layer_types,
-                           "sliding_window": config.get("sliding_window", 4096)}, source, "Gemma2ForCausalLM",
-                          hidden_act=_activation(config, source), tie_word_embeddings=True,
-                          attention_scale=scalar**-0.5, attn_softcap=None if attn_cap is None else float(attn_cap),
-                          final_softcap=None if final_cap is None else float(final_cap))
+        return _sandwich_spec(config, source, "Gemma2ForCausalLM", "gemma2", 2)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    uses_decode_stack = True
     qk_norm = True
 
     @classmethod
     def read_spec(cls, config: dict, source: str) -> ModelSpec:
         pattern = int(config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6)))
-        layer_types = config.get("layer_types") or _layer_types(config, pattern)
         rope = config.get("rope_parameters") or {}
-        keyed = bool(rope) and all(isinstance(v, dict) for v in rope.values())
         with config_fields(source):
-            if keyed:
+            if rope and all(isinstance(v, dict) for v in rope.values()):  # keyed by layer type (transformers 5)
                 local_theta, local_scaling = rope_parameters(config, "sliding_attention")
                 if local_scaling is not None:
                     raise UnsupportedModelError(f"{source}: RoPE scaling on the local layers is not supported")
             else:
                 local_theta = float(config.get("rope_local_base_freq", 10000.0))
-            scalar = float(config.get("query_pre_attn_scalar", 256))
-            attn_cap, final_cap = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
-        return llama_spec({**config, "model_type": "gemma3_text", "layer_types": layer_types,
-                           "sliding_window": config.get("sliding_window", 4096)}, source, "Gemma3ForCausalLM",
-                          hidden_act=_activation(config, source), tie_word_embeddings=True, qk_norm=True,
-                          attention_scale=scalar**-0.5, local_rope_theta=local_theta,
-                          attn_softcap=None if attn_cap is None else float(attn_cap),
-                          final_softcap=None if final_cap is None else float(final_cap))
+        return _sandwich_spec(config, source, "Gemma3ForCausalLM", "gemma3_text", pattern, qk_norm=True,
+                              local_rope_theta=local_theta)
 
     def build_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
         """The global layers' RoPE (model.rotary); the local layers get theirs, at the local base."""

@@ -6,9 +6,11 @@ fields the Llama family and the families built on it share, each family adding i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from llmaccel.errors import CorruptCheckpointError
+from llmaccel.errors import CorruptCheckpointError, LLMAccelError
 
 
 @dataclass(frozen=True)
@@ -99,22 +101,18 @@ def llama_spec(config: dict, source: str, architecture: str, **family: object) -
         return ModelSpec(**{**fields, **family})
 
 
-class config_fields:
-    """A context in which a missing or malformed config field becomes an error naming the file and field."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, traceback) -> bool:
-        if isinstance(exc, KeyError):
-            raise CorruptCheckpointError(f"{self.source}: missing field {exc.args[0]!r}, which this model "
-                                         "family needs") from exc
-        if isinstance(exc, TypeError | ValueError) and not isinstance(exc, CorruptCheckpointError):
-            raise CorruptCheckpointError(f"{self.source}: invalid field ({exc})") from exc
-        return False
+@contextmanager
+def config_fields(source: str) -> Iterator[None]:
+    """Reading config.json inside it, a missing or malformed field becomes an error naming the file and field."""
+    try:
+        yield
+    except LLMAccelError:
+        raise
+    except KeyError as exc:
+        raise CorruptCheckpointError(f"{source}: missing field {exc.args[0]!r}, which this model family "
+                                     "needs") from exc
+    except (TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{source}: invalid field ({exc})") from exc
 
 
 def eos_ids(eos: object) -> tuple[int, ...]:

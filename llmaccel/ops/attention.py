@@ -101,7 +101,7 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 class PagedAttention:
     """Stateless attention backend; the KV pool tensors are passed in per layer. `scale`: the softmax scale
-    (None: head_dim ** -0.5); `softcap`: Gemma 2's cap on the scores, which runs the torch paths only."""
+    (None: head_dim ** -0.5); `softcap`: Gemma 2's cap on the scores."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  use_kernel: bool | None = None, scale: float | None = None, softcap: float | None = None) -> None:
@@ -109,9 +109,7 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.softcap = softcap
-        if softcap is not None:
-            use_kernel = False  # the C++ attention kernels do not cap; the KV write kernel is fine either way
+        self.softcap = softcap  # the C++ kernels cap decode scores themselves; prefill chunks cap in torch
         kernels = load_cpu_kernels() if device.type == "cpu" and use_kernel is not False else None
         self._decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         self._write_kv = getattr(kernels, "write_kv", None)
@@ -133,7 +131,8 @@ class PagedAttention:
             return None
         return self._fused_decode(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos, sin,
                                   k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, window or 0, self.scale)
+                                  meta.decode_context_lens, meta.block_size, window or 0, self.scale,
+                                  self.softcap or 0.0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
@@ -151,7 +150,7 @@ class PagedAttention:
             if self._decode_kernel is not None:
                 parts.append(self._decode_kernel(q_decode, k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_context_lens, meta.block_size, window or 0,
-                                                 self.scale))
+                                                 self.scale, self.softcap or 0.0))
             else:
                 gather = meta.decode_gathers.get(window)
                 if gather is None:

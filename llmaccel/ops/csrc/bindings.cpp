@@ -3,7 +3,7 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, int64_t window, double scale);
+                                     int64_t block_size, int64_t window, double scale, double softcap);
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n);
 torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n);
 bool gemv_vectorized();
@@ -19,7 +19,7 @@ torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64
                                      torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     int64_t window, double scale);
+                                     int64_t window, double scale, double softcap);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
@@ -44,14 +44,19 @@ void bind_decode_stack(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"),
+        py::arg("window"), py::arg("scale"), py::arg("softcap") = 0.0, nogil);
   m.def("gemv_i8", &gemv_i8, "x @ w.T, INT8 weights in 16-row blocks of 32 inputs, INT8 activations", nogil);
   m.def("int8_rows", &int8_rows, "rows of an INT8 weight held in gemv_i8's blocks, dequantized (an embedding lookup)",
         nogil);
   m.def("gemv_i4", &gemv_i4, "x @ w.T, INT4 weights in 16-row blocks of 32 inputs, INT8 activations", nogil);
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots", nogil);
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step",
-        nogil);
+        py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("positions"),
+        py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"), py::arg("window"), py::arg("scale"),
+        py::arg("softcap") = 0.0, nogil);
   m.def("linear_f32", &linear_f32, "x @ w.T, float32 weights in panels of 16 columns, any row count", nogil);
   m.def("gemv_bf16", &gemv_bf16, "x @ w.T for few rows, bfloat16 weights in their plain layout, float32 sums", nogil);
   m.def("gemm_bf16", &gemm_bf16, "x @ w.T for bfloat16 batches on AVX512-BF16, w in its plain layout", nogil);

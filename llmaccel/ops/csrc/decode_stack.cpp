@@ -195,11 +195,12 @@ struct ProjectionInput {
 
 class DecodeStack {
  public:
-  // `scale`: the attention softmax scale (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5)
+  // `scale`: the attention softmax scale (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5);
+  // `softcap` > 0: the attention scores capped, softcap * tanh(s / softcap) (Gemma 2)
   DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-              torch::Tensor final_norm, double scale)
+              torch::Tensor final_norm, double scale, double softcap)
       : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        scale_(scale), dtype_(final_norm.scalar_type()), final_norm_(final_norm) {
+        scale_(scale), softcap_(softcap), dtype_(final_norm.scalar_type()), final_norm_(final_norm) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
     TORCH_CHECK(dtype_ == torch::kFloat32 || dtype_ == torch::kBFloat16, "the stack runs float32 or bfloat16");
     check_norm(final_norm);
@@ -314,7 +315,7 @@ class DecodeStack {
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const T *cos_p = cos.data_ptr<T>(), *sin_p = sin.data_ptr<T>();
     const int64_t max_blocks = block_tables.size(1);
-    const float scale = static_cast<float>(scale_);
+    const float scale = static_cast<float>(scale_), softcap = static_cast<float>(softcap_);
     const float eps = static_cast<float>(eps_);
 
     // The phases; each takes this thread's number and the team's size.
@@ -408,7 +409,7 @@ class DecodeStack {
                         (item + 1) % kv_heads_, kv_heads_, head_dim_, block_size);
         }
         attend_item(qkv_p + s * qkv_n + kvh * group * head_dim_, k_pool, v_pool, tables + s * max_blocks, lens[s],
-                    layers_[l].window, kvh, group, kv_heads_, head_dim_, block_size, scale,
+                    layers_[l].window, kvh, group, kv_heads_, head_dim_, block_size, scale, softcap,
                     attn_p + s * q_size + kvh * group * head_dim_, scratch);
       }
     };
@@ -578,7 +579,7 @@ class DecodeStack {
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
+  double eps_, scale_, softcap_;
   torch::ScalarType dtype_;
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
@@ -593,7 +594,7 @@ void bind_decode_stack(pybind11::module& m) {
   m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
         py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, double>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("window"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("pre_mlp_norm") = py::none(), py::arg("post_mlp_norm") = py::none(),

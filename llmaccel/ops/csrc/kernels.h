@@ -161,6 +161,8 @@ void exp_inplace(float* v, int64_t n);
 // sum). The max and the sum run in vector lanes: as scalar chains they were a fifth of a bf16 decode
 // attention item's time.
 float softmax_inplace(float* v, int64_t n);
+// v[i] = cap * tanh(v[i] / cap) (Gemma 2's soft cap on attention scores), tanh through exp_inplace.
+void softcap_inplace(float* v, int64_t n, float cap);
 
 // One row of the step operations, in HF's formulas; float32, or bfloat16 rounded where torch rounds.
 // out = norm(x) * weight; with a residual, first residual += x and normalize the sum.
@@ -178,16 +180,16 @@ void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
 void gelu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t count);
 
 // Decode attention of one (sequence, KV head) item: the `group` query heads at q (contiguous, scaled
-// inside) attend to keys first .. len - 1 of the sequence's block table; writes the group's outputs.
+// inside; the scores capped at `softcap` where it is > 0) attend to keys first .. len - 1 of the sequence's block table; writes the group's outputs.
 struct AttentionScratch {
   std::vector<float> acc, qf, scores, inv_sum, widened;
 };
 void attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
                  int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, float scale, float* out, AttentionScratch& scratch);
+                 int64_t block_size, float scale, float softcap, float* out, AttentionScratch& scratch);
 void attend_item(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
                  int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, float scale, bf16* out, AttentionScratch& scratch);
+                 int64_t block_size, float scale, float softcap, bf16* out, AttentionScratch& scratch);
 // Requests an item's keys and values into L2 (call it for the next item before attending this one).
 void prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int64_t len, int64_t window,
                    int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size);

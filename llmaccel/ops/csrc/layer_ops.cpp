@@ -58,6 +58,12 @@ LLMACCEL_ONE_COPY void exp_inplace(float* v, int64_t n) {
 #endif
 }
 
+LLMACCEL_ONE_COPY void softcap_inplace(float* v, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) v[i] = 2.0f * v[i] / cap;
+  exp_inplace(v, n);
+  for (int64_t i = 0; i < n; ++i) v[i] = cap * (1.0f - 2.0f / (1.0f + v[i]));
+}
+
 LLMACCEL_ONE_COPY float softmax_inplace(float* v, int64_t n) {
   float total = 0.0f;
 #ifdef LLMACCEL_EXP_AVX2

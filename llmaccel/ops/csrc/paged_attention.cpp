@@ -286,7 +286,7 @@ static void weigh_wide(const scalar_t* v_head, const int32_t* table, int64_t fir
 template <typename scalar_t>
 static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
                    int64_t context_len, int64_t window, int64_t kvh, int64_t group, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t block_size, float scale, scalar_t* out_group,
+                   int64_t head_dim, int64_t block_size, float scale, float softcap, scalar_t* out_group,
                    llmaccel::AttentionScratch& scratch) {
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) row, all kv heads
   const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
@@ -333,6 +333,7 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
                    for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * head_dim, key, head_dim);
                  });
   }
+  if (softcap > 0.0f) llmaccel::softcap_inplace(scores, group * len, softcap);
   for (int64_t h = 0; h < group; ++h) scratch.inv_sum[h] = llmaccel::softmax_inplace(scores + h * len, len);
   if (wide) {
 #ifdef LLMACCEL_ATTENTION_AVX512
@@ -425,23 +426,25 @@ void llmaccel::prefetch_item(const bf16* k_cache, const bf16* v_cache, const int
 
 void llmaccel::attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
                            int64_t len, int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch) {
-  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, out,
-         scratch);
+                           int64_t head_dim, int64_t block_size, float scale, float softcap, float* out,
+                           AttentionScratch& scratch) {
+  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, softcap,
+         out, scratch);
 }
 
 void llmaccel::attend_item(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* table,
                            int64_t len, int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, bf16* out, AttentionScratch& scratch) {
-  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, out,
-         scratch);
+                           int64_t head_dim, int64_t block_size, float scale, float softcap, bf16* out,
+                           AttentionScratch& scratch) {
+  attend(q, k_cache, v_cache, table, len, window, kv_head, group, num_kv_heads, head_dim, block_size, scale, softcap,
+         out, scratch);
 }
 
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
+                          int64_t block_size, int64_t max_blocks, int64_t window, float scale, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   // One work item is a (sequence, KV head) pair, so a lone sequence still spreads over the threads
   // (one item a sequence left one core idle).
@@ -455,7 +458,7 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
                              (item + 1) % num_kv_heads, num_kv_heads, head_dim, block_size);
       }
       attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
-             context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale,
+             context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale, softcap,
              out + (seq * num_heads + kvh * group) * head_dim, scratch);
     }
   });
@@ -464,10 +467,11 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
 // q: [S, H, D] (rows may be strided: a view of the fused qkv projection); k_cache, v_cache: [num_slots,
 // KVH, D] with slot = block * block_size + offset; block_tables: [S, max_blocks] int32; context_lens: [S]
 // int32 (keys in each table). With window > 0 (a sliding-window layer) each query sees only the last
-// `window` of its keys. Returns [S, H, D].
+// `window` of its keys. With softcap > 0 the scores are capped, softcap * tanh(s / softcap), before the
+// softmax (Gemma 2). Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, int64_t window, double scale) {
+                                     int64_t block_size, int64_t window, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -481,7 +485,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                             v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                             out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(1), q.size(2), block_size,
-                            tables.size(1), window, static_cast<float>(scale));
+                            tables.size(1), window, static_cast<float>(scale), static_cast<float>(softcap));
   });
   return out;
 }
@@ -524,7 +528,7 @@ torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64
                                      torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     int64_t window, double scale) {
+                                     int64_t window, double scale, double softcap) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must be contiguous [S, (H + 2 KVH) * D]");
   const int64_t seqs = qkv.size(0);
@@ -533,6 +537,6 @@ torch::Tensor fused_decode_attention(torch::Tensor qkv, int64_t num_heads, int64
   auto q = heads.narrow(1, 0, num_heads);
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slots);
-  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, window, scale)
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, window, scale, softcap)
       .view({seqs, num_heads * head_dim});
 }

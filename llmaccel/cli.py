@@ -130,8 +130,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from llmaccel.cluster import launch as cluster_launch
     from llmaccel.server import launch
 
+    if cluster_launch.wants_replicas(args):
+        return cluster_launch.serve(args.model, _engine_options(args), launch.server_config(args),
+                                    cluster_launch.cluster_config(args), args.log_level, access_log=args.access_log)
     return launch.serve(args.model, _engine_options(args), launch.server_config(args), args.log_level,
                         access_log=args.access_log)
 
@@ -195,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmaccel.server import launch
 
     launch.add_arguments(serve)
+    from llmaccel.cluster import launch as cluster_launch
+
+    cluster_launch.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="interactive terminal chat, streamed (a local model or a server's)",

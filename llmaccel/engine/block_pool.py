@@ -11,11 +11,15 @@ so the free queue reads: warm uncached blocks, never-used blocks, then cached bl
 recently used first. A new request that finds its prefix's hashes takes those blocks back (`touch`)
 instead of recomputing them; a cached block is evicted, and its hash forgotten, only when the pool
 hands it out again. Blocks in use (ref count > 0) are shared, never evicted.
+
+With `record_events()`, every hash the cache gains or loses is appended to `events` as
+(stored: bool, hash): a replica publishes them so a router knows which prefixes it holds (as
+vLLM's KV events do for llm-d and Dynamo). Off by default: a single engine needs no log.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 
 class BlockPool:
@@ -31,6 +35,14 @@ class BlockPool:
         self._touched = bytearray(num_blocks)
         # OrderedDict as an O(1) doubly linked list: head = next to be handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.events: deque[tuple[bool, bytes]] | None = None
+
+    def record_events(self) -> deque[tuple[bool, bytes]]:
+        """Start logging (stored, hash) for every hash cached or evicted; returns the log, which the
+        caller drains with popleft (thread-safe against the engine thread's appends)."""
+        if self.events is None:
+            self.events = deque((True, h) for h in self.cached)
+        return self.events
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +104,8 @@ class BlockPool:
         if block_hash not in self.cached and self.block_hashes[block_id] is None:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
+            if self.events is not None:
+                self.events.append((True, block_hash))
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
@@ -99,6 +113,8 @@ class BlockPool:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.append((False, block_hash))
 
     def free_block_ids(self) -> list[int]:
         """The free queue in reuse order (head first); for tests and debugging."""

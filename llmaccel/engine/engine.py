@@ -43,6 +43,30 @@ class StepStats:
     num_tokens: int
 
 
+def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty: give at least one token")
+    if len(token_ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
+            f"(prompt plus at least one generated token must fit); shorten the prompt")
+    check_token_ids(token_ids, vocab_size, "prompt", param="prompt")
+
+
+def check_request(token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                  grammars: GrammarCompiler) -> None:
+    """What the engine refuses before queueing: a bad prompt, token ids outside the vocabulary, a
+    grammar that does not compile. Also run by a replicated server's ingress, before any replica."""
+    check_prompt(token_ids, max_model_len, vocab_size)
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids", param="stop_token_ids")
+    for token, _ in params.logit_bias:
+        if token >= vocab_size:
+            raise InvalidRequestError(f"logit_bias: token id {token} is outside the vocabulary "
+                                      f"[0, {vocab_size})", param="logit_bias")
+    if params.structured_outputs is not None:
+        grammars.check(params.structured_outputs)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
         self.config = config
@@ -169,24 +193,11 @@ class LLMEngine:
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise InvalidRequestError unless the prompt is non-empty, in the vocabulary and fits the window."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit); shorten the prompt")
-        check_token_ids(token_ids, self.spec.vocab_size, "prompt", param="prompt")
+        check_prompt(token_ids, self.max_model_len, self.spec.vocab_size)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """check_prompt, and the sampling parameters that depend on the model (token ids)."""
-        self.check_prompt(token_ids)
-        check_token_ids(params.stop_token_ids, self.spec.vocab_size, "stop_token_ids", param="stop_token_ids")
-        for token, _ in params.logit_bias:
-            if token >= self.spec.vocab_size:
-                raise InvalidRequestError(f"logit_bias: token id {token} is outside the vocabulary "
-                                          f"[0, {self.spec.vocab_size})", param="logit_bias")
-        if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)
+        check_request(token_ids, params, self.max_model_len, self.spec.vocab_size, self.grammars)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.

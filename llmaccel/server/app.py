@@ -68,14 +68,17 @@ class ServerState:
             self.small_engine is None or self.small_engine.is_alive)
 
 
-def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], model_name: str,
+def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | None, model_name: str,
                on_fatal: Callable[[], None] | None = None,
-               small_engine_factory: Callable[[], LLMEngine] | None = None) -> FastAPI:
+               small_engine_factory: Callable[[], LLMEngine] | None = None,
+               async_engine_factory: Callable[[], AsyncEngine] | None = None) -> FastAPI:
     """`engine_factory` builds the LLMEngine (slow: runs in a thread); `on_fatal` is called if it fails
     to load, or when the engine stops for good after steps kept failing (then `engine_died` is set, so
     the process exits non-zero and a supervisor restarts it). Bad safety rules or proxy addresses
     raise ValueError here, before anything loads. `small_engine_factory`: a cascade's small model
-    (config.cascade_small); it must share the model's tokenizer and be smaller, or loading fails."""
+    (config.cascade_small); it must share the model's tokenizer and be smaller, or loading fails.
+    `async_engine_factory` replaces `engine_factory` with an object that has AsyncEngine's surface
+    (cluster/remote_engine.py: replicas on Ray Serve)."""
     input_filter = InputFilter(load_rules(list(config.safety_rules))) if config.safety_rules else None
     output_filter = InputFilter(load_rules(list(config.output_rules))) if config.output_rules else None
     guard_config = GuardConfig(config.guard_sample_rate, config.guard_confidence, config.guard_kl, config.guard_retries)
@@ -90,10 +93,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine], mo
             on_fatal()
 
     async def load() -> None:
-        async_engine = AsyncEngine(engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000,
-                                   step_warn_s=config.step_warn_s, max_waiting_requests=config.max_waiting_requests,
-                                   on_step=state.metrics.observe_step, background=_quality_watch(config, state),
-                                   max_failed_steps=config.max_failed_steps, on_dead=engine_died)
+        async_engine = async_engine_factory() if async_engine_factory is not None else AsyncEngine(
+            engine_factory, max_batch_delay_s=config.max_batch_delay_ms / 1000, step_warn_s=config.step_warn_s,
+            max_waiting_requests=config.max_waiting_requests, on_step=state.metrics.observe_step,
+            background=_quality_watch(config, state), max_failed_steps=config.max_failed_steps, on_dead=engine_died)
         small = None if small_engine_factory is None else AsyncEngine(  # stepped by the host's thread and loop
             small_engine_factory, max_waiting_requests=config.max_waiting_requests,
             max_failed_steps=config.max_failed_steps, on_dead=engine_died, host=async_engine)

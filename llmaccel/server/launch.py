@@ -200,6 +200,11 @@ def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str
 
     app = create_app(config, lambda: LLMEngine(engine_config), model_name=model, on_fatal=stop,
                      small_engine_factory=small_factory)
+    server = draining_server(app, config, log_level, access_log)
+    return run_server(server, app, model, config)
+
+
+def draining_server(app, config: ServerConfig, log_level: str, access_log: bool) -> _DrainingServer:
     state = app.state.server
 
     def drain() -> None:
@@ -208,7 +213,12 @@ def serve(model: str, engine_options: dict, config: ServerConfig, log_level: str
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
                                access_log=access_log, timeout_graceful_shutdown=config.graceful_shutdown_s,
                                timeout_keep_alive=5, proxy_headers=False)  # X-Forwarded-For: --trusted-proxies
-    server = _DrainingServer(uv_config, drain)
+    return _DrainingServer(uv_config, drain)
+
+
+def run_server(server: _DrainingServer, app, model: str, config: ServerConfig) -> int:
+    """Serve until told to stop; the exit code (the load error is raised)."""
+    state = app.state.server
     server.run()
     if state.load_error is not None:
         raise ValueError(f"could not load {model!r}: {state.load_error}") if isinstance(

@@ -1,0 +1,99 @@
+"""The Ray Serve application: EngineReplica deployments behind a router, and the ingress.
+
+`llmaccel serve --replicas N` (cluster/launch.py) runs the ingress in its own process, in front of
+`engine_application(...)`. For `serve run` or a Serve config file, `build_app` builds the whole
+application, the OpenAI ingress included, as a Serve deployment of its own:
+
+    serve run llmaccel.cluster.deployment:build_app model=smollm2-135m replicas=2
+
+`args` (strings from `serve run`, or a config file's `args:`) are the flags of `llmaccel serve`
+with underscores: model, replicas, min_replicas, max_replicas, router, plus engine options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from llmaccel.cluster.kv_index import STATE_ACTOR, ClusterState
+from llmaccel.cluster.replica import EngineReplica
+from llmaccel.cluster.routing import ROUTERS
+from llmaccel.config import ServerConfig
+
+DEPLOYMENT = "LLMEngineReplica"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How many engine replicas run, how they scale, and how requests are routed among them."""
+
+    replicas: int = 2  # fixed count; with max_replicas, the number to start with
+    min_replicas: int | None = None  # with max_replicas: autoscale between the two on ongoing requests
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 16.0  # per replica, what the autoscaler aims for
+    upscale_delay_s: float = 3.0
+    downscale_delay_s: float = 30.0
+    autoscale_window_s: float = 10.0  # the autoscaler averages load over this look-back window
+    router: str = "cache-aware"  # a key of router.ROUTERS
+    imbalance: int = 8  # cache-aware: a replica with this many more queued requests than the emptiest loses its claim
+    threads_per_replica: int | None = None  # torch threads of each replica; None: the cores / most replicas
+    max_ongoing_requests: int = 512  # requests one replica accepts at once (the engine queues them)
+    address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None: start a local one
+    namespace: str = "llmaccel"
+    health_check_period_s: float = 2.0
+    health_check_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("--min-replicas and --max-replicas go together (autoscaling between them)")
+        if self.autoscaling:
+            if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+                raise ValueError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1, got "
+                                 f"{self.min_replicas} and {self.max_replicas}")
+            if not self.min_replicas <= self.replicas <= self.max_replicas:
+                raise ValueError(f"--replicas {self.replicas} (the starting count) must lie between "
+                                 f"--min-replicas {self.min_replicas} and --max-replicas {self.max_replicas}")
+        elif self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    @property
+    def threads(self) -> int:
+        if self.threads_per_replica is not None:
+            return self.threads_per_replica
+        return max(1, len(os.sched_getaffinity(0)) // (self.max_replicas or self.replicas))
+
+
+def ensure_state_actor(namespace: str):
+    """The one ClusterState actor of this namespace, created by whoever comes first."""
+    import ray
+
+    return ray.remote(num_cpus=0)(ClusterState).options(
+        name=STATE_ACTOR, namespace=namespace, get_if_exists=True, lifetime="detached").remote()
+
+
+def engine_application(model: str, engine_options: dict, server: ServerConfig, cluster: ClusterConfig):
+    """The EngineReplica deployment, bound to its arguments (a Serve Application)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    kwargs = {"imbalance": cluster.imbalance, "namespace": cluster.namespace} if cluster.router == "cache-aware" \
+        else {}
+    scaling = dict(num_replicas=cluster.replicas) if not cluster.autoscaling else dict(autoscaling_config={
+        "min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
+        "initial_replicas": cluster.replicas, "target_ongoing_requests": cluster.target_ongoing_requests,
+        "upscale_delay_s": cluster.upscale_delay_s, "downscale_delay_s": cluster.downscale_delay_s,
+        "look_back_period_s": cluster.autoscale_window_s, "metrics_interval_s": min(1.0, cluster.autoscale_window_s)})
+    deployment = serve.deployment(
+        EngineReplica, name=DEPLOYMENT, ray_actor_options={"num_cpus": cluster.threads},
+        max_ongoing_requests=cluster.max_ongoing_requests, health_check_period_s=cluster.health_check_period_s,
+        health_check_timeout_s=cluster.health_check_timeout_s, max_constructor_retry_count=1,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
+                                                  request_router_kwargs=kwargs), **scaling)
+    return deployment.bind(model, engine_options, cluster.threads, server.max_waiting_requests,
+                           server.max_failed_steps, cluster.namespace)

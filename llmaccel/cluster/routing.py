@@ -1,0 +1,53 @@
+"""The routers by name, and their counters in this process, which the ingress's /metrics reads.
+
+A handle's routers run in the process that owns the handle (the ingress). Ray ships a router class
+by value, with a copy of its own module's globals, so the counters live here, in a module the
+router imports by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+class RouterStats:
+    """The routers' counters in this process, read by the ingress's /metrics (the routers of a
+    handle run in the process that owns the handle)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (router, why) -> requests
+        self.matched_blocks = 0  # prompt blocks the chosen replica already held
+        self.prompt_blocks = 0  # full prompt blocks routed
+        self.retries = 0  # requests sent again after their replica died before answering
+
+    def decided(self, router: str, why: str, matched: int = 0, blocks: int = 0) -> None:
+        with self.lock:
+            self.decisions[router, why] += 1
+            self.matched_blocks += matched
+            self.prompt_blocks += blocks
+
+
+ROUTER_STATS = RouterStats()
+
+
+def pick_replica(loads: dict[str, int], matches: dict[str, int], imbalance: int) -> tuple[str, str]:
+    """The cache-aware rule: (replica, why). Among the replicas whose load is within `imbalance` of
+    the lightest, the one holding the most leading prompt blocks (ties: the lighter, then the name);
+    if none of those holds any, the lightest ("balance" when a busier one held some, else "no_match")."""
+    lightest = min(loads.values())
+    balanced = [r for r in sorted(loads) if loads[r] - lightest <= imbalance]
+    best = max(balanced, key=lambda r: (matches.get(r, 0), -loads[r]))
+    if matches.get(best, 0):
+        return best, "affinity"
+    least = min(sorted(loads), key=lambda r: loads[r])
+    return least, "balance" if any(matches.values()) else "no_match"
+
+ROUTERS = {
+    "cache-aware": "llmaccel.cluster.router:CacheAwareRouter",
+    "round-robin": "llmaccel.cluster.router:RoundRobinRouter",
+    "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "ray-prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+                  "PrefixCacheAffinityRouter",
+}

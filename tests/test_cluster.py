@@ -1,0 +1,260 @@
+"""`llmaccel serve --replicas`: engine replicas on a local Ray instance behind one OpenAI ingress.
+
+Each server here is a real `llmaccel serve` process that starts Ray with this machine's cores, and
+real replica processes; the official openai client talks to it. Bounded in time: every wait has a
+deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from llmaccel.bench.compare import free_port
+from tests.live_server import MODEL_NAME, live_server
+
+SYSTEM = ("You are the assistant of a small bookshop. Answer in one short sentence and never invent "
+          "titles, prices or opening hours that you were not told about.")
+
+
+@contextmanager
+def cluster_server(model_dir: Path, log: Path, *flags: str, timeout: float = 180):
+    """A replicated server in its own session: teardown kills the whole process group (Ray's
+    processes included) if SIGTERM did not stop it."""
+    port = free_port()
+    command = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", str(model_dir), "--port", str(port),
+               "--dtype", "float32", "--num-kv-blocks", "512", *flags]
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"the server exited; its log:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the server did not come up; its log:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def replica_pids(url: str) -> dict[str, int]:
+    """replica name -> process id, from the ingress's /metrics."""
+    pids = {}
+    for line in metrics(url).splitlines():
+        if line.startswith("llmaccel_replica_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            pids[labels["replica"]] = int(labels["pid"])
+    return pids
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def two_replicas(llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    with cluster_server(llama_dir, log, "--replicas", "2", "--max-num-seqs", "2") as url:
+        wait_for(lambda: len(replica_pids(url)) == 2, 30, "both replicas to report")
+        yield url, log
+
+
+def test_the_openai_client_gets_the_engines_tokens_from_two_replicas(two_replicas, llama_dir):
+    url, _ = two_replicas
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompts = ["The quick brown fox", "Once upon a time", "In the beginning", "A long time ago"]
+    messages = [{"role": "user", "content": "Hello there"}]
+    extra = {"ignore_eos": True, "result_cache": False}
+
+    def answers(base: str, model: str) -> list[str]:
+        """Every prompt non-streamed and streamed, and a chat both ways, one request after another."""
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        out = []
+        for prompt in prompts:
+            out.append(c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body=extra).choices[0].text)
+            out.append("".join(x.choices[0].text for x in c.completions.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=extra)
+                if x.choices))
+        out.append(c.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                             extra_body=extra).choices[0].message.content)
+        out.append("".join(x.choices[0].delta.content or "" for x in c.chat.completions.create(
+            model=model, messages=messages, max_tokens=10, temperature=0, stream=True, extra_body=extra)
+            if x.choices))
+        return out
+
+    with live_server(llama_dir) as single:  # the single-process server is the reference
+        expected = answers(single.url, MODEL_NAME)
+    assert answers(url, str(llama_dir)) == expected
+    assert all(expected) and expected[0] == expected[1]
+    with pytest.raises(openai.BadRequestError) as bad:  # checked at the ingress, as a single server does
+        client.completions.create(model=str(llama_dir), prompt=[[999_999]], max_tokens=2)
+    assert "vocabulary" in str(bad.value)
+    sent = 2 * len(prompts) + 2
+    wait_for(lambda: counter(metrics(url), "llmaccel_replica_requests_total") >= sent, 10,
+             "the replicas' counts on /metrics (refreshed every second)")
+    assert counter(metrics(url), "llmaccel_router_decisions_total", router="cache_aware") >= sent
+
+
+def test_the_second_turn_reaches_the_first_turns_replica_and_hits_its_cache(two_replicas, llama_dir):
+    url, _ = two_replicas
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    before = metrics(url)
+    for topic in ("maps", "poetry", "cooking", "history"):  # four conversations, each of its own
+        history = [{"role": "system", "content": f"{SYSTEM} Today's theme is {topic}."},
+                   {"role": "user", "content": f"Do you have books about {topic}?"}]
+        first = client.chat.completions.create(model=str(llama_dir), messages=history, max_tokens=16, temperature=0,
+                                               extra_body={"result_cache": False})
+        time.sleep(0.2)  # the replica publishes its new blocks every 50 ms
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And which one would you pick?"}]
+        second = client.chat.completions.create(model=str(llama_dir), messages=history, max_tokens=8,
+                                                temperature=0, extra_body={"result_cache": False})
+        full_blocks = first.usage.prompt_tokens // 16
+        assert second.usage.prompt_tokens_details.cached_tokens >= (full_blocks - 1) * 16 > 0
+    after = metrics(url)
+    affinity = (counter(after, "llmaccel_router_decisions_total", reason="affinity")
+                - counter(before, "llmaccel_router_decisions_total", reason="affinity"))
+    assert affinity >= 4  # every second turn was routed for its prefix
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, llama_dir):
+    url, log = two_replicas
+    pids = replica_pids(url)
+    started: dict[int, bool] = {}
+    lock = threading.Lock()
+    kill_now = threading.Event()
+
+    def one(i: int) -> tuple[str, int]:
+        body = {"prompt": f"Request number {i} says", "max_tokens": 600, "ignore_eos": True, "stream": True,
+                "result_cache": False, "stream_options": {"include_usage": True}}
+        tokens, error = 0, None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]["message"]
+                        continue
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    with lock:
+                        if i not in started and chunk["choices"]:
+                            started[i] = not kill_now.is_set()
+        return ("error: " + error) if error else "ok", tokens
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:  # 12 a replica, 2 running at a time
+        futures = [pool.submit(one, i) for i in range(24)]
+        def busy_replica() -> int | None:  # one running some requests with more queued behind them
+            text = metrics(url)
+            for replica, pid in pids.items():
+                if (counter(text, "llmaccel_replica_num_requests_waiting", replica=replica) >= 2
+                        and counter(text, "llmaccel_replica_num_requests_running", replica=replica) >= 1):
+                    return pid
+            return None
+
+        victim = wait_for(busy_replica, 60, "a replica with requests running and waiting")
+        with lock:  # from here on, a stream's first chunk counts as started after the kill
+            kill_now.set()
+            os.kill(victim, signal.SIGKILL)
+        results = [f.result(timeout=180) for f in futures]  # nothing hangs
+    not_started = [i for i in range(24) if not started.get(i, False)]
+    assert not_started, "every request had started before the kill: the test proves nothing"
+    for i in not_started:  # queued on the dead replica, or elsewhere: all served whole
+        assert results[i] == ("ok", 600), (i, results[i])
+    for i, (outcome, _) in enumerate(results):
+        assert outcome == "ok" or "stopped mid-answer" in outcome, (i, outcome)
+    # Ray Serve replaces the replica; the cluster serves on
+    wait_for(lambda: len(replica_pids(url)) == 2 and victim not in replica_pids(url).values(), 90,
+             "a replacement replica")
+    done = httpx.post(url + "/v1/completions", json={"prompt": "Still there?", "max_tokens": 4}, timeout=60)
+    assert done.status_code == 200
+    # the victim's running requests end with an error event, its queued ones were sent again
+    assert any(outcome != "ok" for outcome, _ in results)
+    assert counter(metrics(url), "llmaccel_router_retries_total") >= 1, [
+        line for line in log.read_text().splitlines() if "request" in line.lower() and "llmaccel" in line][-30:]
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(llama_dir, tmp_path):
+    flags = ("--replicas", "1", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
+             "--upscale-delay-s", "1", "--downscale-delay-s", "4", "--autoscale-window-s", "2", "--max-num-seqs", "2")
+    with cluster_server(llama_dir, tmp_path / "serve.log", *flags) as url:
+        wait_for(lambda: len(replica_pids(url)) == 1, 30, "the first replica to report")
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                httpx.post(url + "/v1/completions", json={"prompt": "Load", "max_tokens": 200, "ignore_eos": True,
+                                                          "result_cache": False}, timeout=120)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            workers = [pool.submit(load) for _ in range(8)]
+            try:
+                wait_for(lambda: len(replica_pids(url)) == 2, 90, "a second replica under load")
+            finally:
+                stop.set()
+            for w in workers:
+                w.result(timeout=180)
+        wait_for(lambda: len(replica_pids(url)) == 1, 90, "the extra replica to go once idle")
+
+
+def test_a_replica_that_cannot_start_is_an_error_at_start(llama_dir, tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "llmaccel.cli", "serve", "--model", str(tmp_path / "nope"),
+                              "--replicas", "2"], capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "llmaccel.cli", "serve", "--model", str(broken), "--replicas", "1",
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=240,
+                            start_new_session=True)
+    assert result.returncode != 0
+    assert "could not start" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 200

@@ -1,0 +1,89 @@
+"""The pieces of cache-aware routing that need no Ray: the pool's cache events, the hashes the
+router computes, the state actor's log, a router's view of it, and the routing rule."""
+
+from __future__ import annotations
+
+from llmaccel.cluster.kv_index import BlockView, ClusterState, prompt_block_hashes, short_hash
+from llmaccel.cluster.routing import pick_replica
+from llmaccel.engine.block_pool import BlockPool
+from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.request import Request
+from llmaccel.sampling_params import SamplingParams
+
+
+def test_the_pool_logs_every_hash_it_caches_and_evicts_in_order():
+    pool = BlockPool(4)
+    events = pool.record_events()
+    assert pool.allocate(2) == [0, 1]
+    pool.cache_block(0, b"h0")
+    pool.cache_block(1, b"h1")
+    pool.cache_block(1, b"again")  # block 1 holds a prefix already: nothing changes, nothing logged
+    pool.free([1, 0])  # cached blocks go to the tail in LRU order: free queue 2, 3, 1, 0
+    assert pool.allocate(4) == [2, 3, 1, 0]
+    assert list(events) == [(True, b"h0"), (True, b"h1"), (False, b"h1"), (False, b"h0")]
+
+
+def test_recording_starts_with_what_the_cache_already_holds():
+    pool = BlockPool(2)
+    pool.allocate(1)
+    pool.cache_block(0, b"old")
+    assert list(pool.record_events()) == [(True, b"old")]
+    assert BlockPool(2).events is None  # a single engine keeps no log
+
+
+def test_the_router_hashes_a_prompt_exactly_as_the_engine_caches_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4, cache_salt="model|float32")
+    events = kv.pool.record_events()
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    request = Request("r", prompt, SamplingParams(max_tokens=4))
+    kv.allocate_slots(request, len(prompt))
+    request.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(request)
+    cached = [short_hash(h) for stored, h in events if stored]
+    assert cached == prompt_block_hashes(kv.root_hash, prompt, 4)
+    assert len(cached) == 3
+    other = KVCacheManager(num_blocks=8, block_size=4, cache_salt="model|bfloat16")  # other weights: other hashes
+    assert prompt_block_hashes(other.root_hash, prompt, 4) != cached
+
+
+def test_a_reader_gets_the_changes_after_its_cursor_or_a_snapshot_when_the_log_moved_on():
+    state = ClusterState(max_log=4)
+    state.publish("a", {"running": 1}, [1, 2], [], reset=True)
+    cursor, entries, snapshot = state.changes(0)
+    assert (cursor, entries, snapshot) == (1, [("a", [1, 2], ["reset"])], None)
+    state.publish("b", None, [7], [])
+    state.publish("a", None, [3], [1])
+    cursor, entries, snapshot = state.changes(1)
+    assert (cursor, entries) == (3, [("b", [7], []), ("a", [3], [1])])
+    for i in range(4):  # the log passes max_log: its first half is dropped
+        state.publish("b", None, [10 + i], [])
+    cursor, entries, snapshot = state.changes(1)
+    assert entries is None and cursor == 7
+    assert {r: sorted(h) for r, h in snapshot.items()} == {"a": [2, 3], "b": [7, 10, 11, 12, 13]}
+    assert state.stats() == {"a": {"running": 1}, "b": {}}
+
+
+def test_the_view_counts_leading_blocks_and_follows_evictions_and_resets():
+    view = BlockView()
+    view.apply(2, [("a", [9], []), ("a", [1, 2, 3], ["reset"]), ("b", [1], [])], None)
+    assert view.blocks == {"a": {1, 2, 3}, "b": {1}}  # a reset forgets what came before it
+    view.apply(4, [("a", [], [2])], None)
+    assert view.matched("a", [1, 2, 3]) == 1  # block 2 was evicted: only the first block still counts
+    assert view.matched("b", [1, 2, 3]) == 1
+    assert view.matched("c", [1, 2, 3]) == 0
+    view.expect("b", [1, 2, 3])  # routed there: the next request with that prefix should follow
+    assert view.matched("b", [1, 2, 3, 4]) == 3
+    view.apply(5, [("b", [], [3])], None)  # the replica evicted block 3 before the router pulled again
+    assert view.matched("b", [1, 2, 3]) == 2
+    view.apply(9, None, {"a": [5]})
+    assert view.blocks == {"a": {5}} and view.cursor == 9
+
+
+def test_the_rule_prefers_the_holder_unless_it_is_too_busy():
+    loads, matches = {"r1": 3, "r2": 0}, {"r1": 5, "r2": 0}
+    assert pick_replica(loads, matches, imbalance=8) == ("r1", "affinity")
+    assert pick_replica(loads, matches, imbalance=2) == ("r2", "balance")  # 3 > 0 + 2: the holder is passed over
+    assert pick_replica({"r1": 1, "r2": 0}, {"r1": 0, "r2": 0}, 8) == ("r2", "no_match")
+    assert pick_replica({"r1": 2, "r2": 2}, {"r1": 4, "r2": 4}, 8) == ("r1", "affinity")  # a tie: by name
+    assert pick_replica({"r1": 2, "r2": 1}, {"r1": 4, "r2": 4}, 8) == ("r2", "affinity")  # a tie: the lighter
+    assert pick_replica({"r1": 0, "r2": 6}, {"r1": 1, "r2": 3}, 8) == ("r2", "affinity")  # more blocks win

@@ -168,6 +168,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "tokens/s with half of them constrained against none, and the mask time per step", "add_arguments", "run"),
     ("multiturn", "multiturn", "multi-turn chats with prefix caching off and on: prefill computed, throughput",
      "add_arguments", "run"),
+    ("replicas", "replicas", "llmaccel serve --replicas N against one process (throughput, same burst) and its "
+     "routers against each other on multi-turn chats (prefix-cache hit rate), in one run", "add_arguments", "run"),
     ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "
      "jailbreak and ordinary prompt sets", "add_arguments", "run"),
     ("soak", "soak", "identical passes of streamed traffic with disconnects, client timeouts and identical "

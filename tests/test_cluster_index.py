@@ -82,7 +82,10 @@ def test_the_view_counts_leading_blocks_and_follows_evictions_and_resets():
 def test_the_rule_prefers_the_holder_unless_it_is_too_busy():
     loads, matches = {"r1": 3, "r2": 0}, {"r1": 5, "r2": 0}
     assert pick_replica(loads, matches, imbalance=8) == ("r1", "affinity")
-    assert pick_replica(loads, matches, imbalance=2) == ("r2", "balance")  # 3 > 0 + 2: the holder is passed over
+    assert pick_replica(loads, matches, imbalance=2) == ("r2", "balance")  # 3 > 0 + 2 and > 1.5 x 0: passed over
+    busy = {"r1": 40, "r2": 30}  # 10 more, but not 1.5 times as many: the holder keeps it
+    assert pick_replica(busy, {"r1": 5, "r2": 0}, imbalance=8) == ("r1", "affinity")
+    assert pick_replica(busy, {"r1": 5, "r2": 0}, imbalance=8, imbalance_ratio=1.2) == ("r2", "balance")
     assert pick_replica({"r1": 1, "r2": 0}, {"r1": 0, "r2": 0}, 8) == ("r2", "no_match")
     assert pick_replica({"r1": 2, "r2": 2}, {"r1": 4, "r2": 4}, 8) == ("r1", "affinity")  # a tie: by name
     assert pick_replica({"r1": 2, "r2": 1}, {"r1": 4, "r2": 4}, 8) == ("r2", "affinity")  # a tie: the lighter

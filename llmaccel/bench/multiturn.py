@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget of each engine")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--result-json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--replicas", type=int, metavar="N",
+                        help="instead: the same chats over HTTP against `llmaccel serve --replicas N` with each of "
+                             "--routers (and one process for reference); prefix-cache hit rate per router "
+                             "(llmaccel bench replicas --skip-throughput)")
+    parser.add_argument("--routers", default="cache-aware,round-robin,ray-prefix",
+                        help="with --replicas: the routers to compare, comma-separated")
+    parser.add_argument("--seed", type=int, default=0, help="with --replicas: the order conversations arrive in")
 
 
 def run_mode(args: argparse.Namespace, prefix_caching: bool) -> dict:
@@ -73,6 +80,11 @@ def run_mode(args: argparse.Namespace, prefix_caching: bool) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from llmaccel.bench import replicas
+
+        args.skip_throughput, args.skip_multiturn = True, False
+        return replicas.run(args)
     results = [run_mode(args, prefix_caching) for prefix_caching in (False, True)]
     off, on = results
     same = off.pop("replies") == on.pop("replies")

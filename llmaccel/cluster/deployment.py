@@ -35,9 +35,12 @@ class ClusterConfig:
     downscale_delay_s: float = 30.0
     autoscale_window_s: float = 10.0  # the autoscaler averages load over this look-back window
     router: str = "cache-aware"  # a key of router.ROUTERS
-    imbalance: int = 8  # cache-aware: a replica with this many more queued requests than the emptiest loses its claim
+    imbalance: int = 8  # cache-aware: a replica this many requests busier than the lightest ...
+    imbalance_ratio: float = 1.5  # ... and this many times as busy loses its claim to the prompt
     threads_per_replica: int | None = None  # torch threads of each replica; None: the cores / most replicas
     max_ongoing_requests: int = 512  # requests one replica accepts at once (the engine queues them)
+    stream_interval_s: float = 0.02  # a replica sends a stream's tokens at most this often (the first at once)
+    updates_per_s: float = 200.0  # and all its streams together at most this many updates a second
     address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None: start a local one
     namespace: str = "llmaccel"
     health_check_period_s: float = 2.0
@@ -82,8 +85,8 @@ def engine_application(model: str, engine_options: dict, server: ServerConfig, c
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    kwargs = {"imbalance": cluster.imbalance, "namespace": cluster.namespace} if cluster.router == "cache-aware" \
-        else {}
+    kwargs = {"imbalance": cluster.imbalance, "imbalance_ratio": cluster.imbalance_ratio,
+              "namespace": cluster.namespace} if cluster.router == "cache-aware" else {}
     scaling = dict(num_replicas=cluster.replicas) if not cluster.autoscaling else dict(autoscaling_config={
         "min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
         "initial_replicas": cluster.replicas, "target_ongoing_requests": cluster.target_ongoing_requests,
@@ -96,4 +99,58 @@ def engine_application(model: str, engine_options: dict, server: ServerConfig, c
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
                                                   request_router_kwargs=kwargs), **scaling)
     return deployment.bind(model, engine_options, cluster.threads, server.max_waiting_requests,
-                           server.max_failed_steps, cluster.namespace)
+                           server.max_failed_steps, cluster.namespace, cluster.stream_interval_s,
+                           cluster.updates_per_s)
+
+
+class Ingress:
+    """The OpenAI server as a Serve deployment (for `serve run` and config files): the same app as
+    `llmaccel serve`, over the engine replicas' handle."""
+
+    def __init__(self, engine_handle, model: str, engine_options: dict, server: ServerConfig,
+                 cluster: ClusterConfig) -> None:
+        self._handle, self._model, self._options = engine_handle, model, engine_options
+        self._server, self._cluster = server, cluster
+
+    def __serve_build_asgi_app__(self):
+        import ray
+
+        from llmaccel.cluster.metrics import ClusterCollector
+        from llmaccel.cluster.remote_engine import ReplicatedEngine
+        from llmaccel.config import EngineConfig
+        from llmaccel.server.app import create_app
+
+        state_actor = ray.get_actor(STATE_ACTOR, namespace=self._cluster.namespace)
+        engine = ReplicatedEngine(self._handle, None, EngineConfig.create(self._model, **self._options), state_actor,
+                                  self._server.max_waiting_requests, send_text=self._cluster.router == "ray-prefix")
+        app = create_app(self._server, None, model_name=self._model, async_engine_factory=lambda: engine)
+        app.state.server.metrics.registry.register(ClusterCollector(engine))
+        return app
+
+
+def build_app(args: dict):
+    """The whole application for `serve run llmaccel.cluster.deployment:build_app key=value ...` or a
+    Serve config file's `import_path`; `args` are `llmaccel serve` flags without the dashes."""
+    from ray import serve
+
+    from llmaccel.cli import _engine_options, build_parser
+    from llmaccel.cluster import launch
+    from llmaccel.server import launch as server_launch
+
+    flags = ["serve"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True or value in ("true", "True", ""):  # a switch: `no_result_cache=true`
+            flags.append(flag)
+        elif not (value is False or value in ("false", "False")):
+            flags += [flag, str(value)]
+    parsed = build_parser().parse_args(flags)
+    if not launch.wants_replicas(parsed):
+        parsed.replicas = 1
+    server, cluster = server_launch.server_config(parsed), launch.cluster_config(parsed)
+    launch.check_supported(server)
+    options = _engine_options(parsed)
+    ensure_state_actor(cluster.namespace)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine_application(parsed.model, options, server, cluster), parsed.model, options, server,
+                        cluster)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from llmaccel.engine.kv_cache_manager import block_hash
 
-PUBLISH_INTERVAL_S = 0.05  # a replica sends its cache changes this often (when there are any)
+PUBLISH_INTERVAL_S = 0.1  # a replica sends its cache changes this often (when there are any)
 STATS_INTERVAL_S = 1.0  # and its load at least this often
 STALE_S = 10.0  # a replica silent this long is gone (its process died): its blocks and stats are dropped
 STATE_ACTOR = "llmaccel-cluster-state"
@@ -46,6 +46,7 @@ class ClusterState:
         self._log_start = 0  # the cursor of self._log[0]
         self._blocks: dict[str, set[int]] = {}
         self._stats: dict[str, tuple[float, dict]] = {}
+        self._swept = 0.0
 
     def publish(self, replica: str, stats: dict | None, stored: list[int], removed: list[int],
                 reset: bool = False) -> None:
@@ -86,6 +87,9 @@ class ClusterState:
         self._stats.pop(replica, None)
 
     def _drop_stale(self, now: float) -> None:
+        if now - self._swept < 1.0:  # a sweep visits every replica: once a second, not every publish
+            return
+        self._swept = now
         for replica in [r for r, (seen, _) in self._stats.items() if now - seen > STALE_S]:
             self.forget(replica)
 

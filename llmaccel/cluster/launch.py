@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from llmaccel.cluster.deployment import ClusterConfig
 from llmaccel.cluster.routing import ROUTERS
@@ -39,16 +40,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="autoscaling: the load is averaged over this many seconds")
     group.add_argument("--router", default="cache-aware", choices=list(ROUTERS),
                        help="how a request picks its replica: 'cache-aware' (the replica whose prefix cache holds the "
-                            "most of the prompt's leading blocks, as the replicas report them, unless its queue is "
-                            "--router-imbalance longer than the shortest), 'round-robin', 'power-of-two' (Ray "
+                            "most of the prompt's leading blocks, as the replicas report them, unless it is much "
+                            "busier than the least loaded; see --router-imbalance), 'round-robin', 'power-of-two' (Ray "
                             "Serve's default), 'ray-prefix' (Ray Serve LLM's PrefixCacheAffinityRouter)")
     group.add_argument("--router-imbalance", type=int, default=8, metavar="Q",
-                       help="cache-aware: a replica with Q more ongoing requests than the least loaded one is passed "
-                            "over, whatever it holds")
+                       help="cache-aware: a replica with Q more ongoing requests than the least loaded one, and "
+                            "--router-imbalance-ratio times as many, is passed over, whatever it holds")
+    group.add_argument("--router-imbalance-ratio", type=float, default=1.5, metavar="X",
+                       help="cache-aware: see --router-imbalance")
     group.add_argument("--threads-per-replica", type=int, metavar="T",
                        help="torch threads of each replica (default: the cores / the most replicas)")
     group.add_argument("--max-ongoing-requests", type=int, default=512,
                        help="requests one replica takes at once (its engine queues them); more wait in the router")
+    group.add_argument("--stream-interval-ms", type=float, default=20.0, metavar="MS",
+                       help="a replica sends each stream's new tokens at most this often (the first token at once)")
+    group.add_argument("--replica-updates-per-s", type=float, default=200.0, metavar="U",
+                       help="and all of a replica's streams together at most U updates a second, so with many "
+                            "streams each update carries several tokens: every streamed item costs Ray the same "
+                            "CPU whatever it carries (0: no budget)")
     group.add_argument("--ray-address", metavar="ADDR",
                        help="join a running Ray cluster (e.g. 'auto' after `ray start --head`, or "
                             "ray://head:10001); default: start a local Ray instance for this server")
@@ -64,8 +73,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                          target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay_s,
                          downscale_delay_s=args.downscale_delay_s, autoscale_window_s=args.autoscale_window_s,
                          router=args.router, imbalance=args.router_imbalance,
+                         imbalance_ratio=args.router_imbalance_ratio,
                          threads_per_replica=args.threads_per_replica, max_ongoing_requests=args.max_ongoing_requests,
-                         address=args.ray_address)
+                         stream_interval_s=args.stream_interval_ms / 1000,
+                         updates_per_s=args.replica_updates_per_s, address=args.ray_address)
 
 
 def check_supported(config: ServerConfig) -> None:
@@ -100,6 +111,8 @@ def serve(model: str, engine_options: dict, config: ServerConfig, cluster: Clust
     from llmaccel.server.launch import draining_server, run_server
 
     local = cluster.address is None
+    if local:  # Ray runs its workers at nice 15; here the replicas are the work, not background jobs
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=cluster.address, namespace=cluster.namespace, include_dashboard=False,
              logging_level=logging.WARNING, configure_logging=False)
     state_actor = None

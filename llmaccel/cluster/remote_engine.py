@@ -3,8 +3,9 @@
 The OpenAI server (server/app.py, server/serving.py) runs unchanged on top: it checks, tokenizes and
 queues requests here as it would on a local engine, and reads RequestStreams. Each request becomes
 one streamed call to the deployment; its router picks the replica. A request whose replica dies
-before sending anything (queued there, or mid-prefill) is sent again, to another replica; one that
-dies after its first output ends with ReplicaLostError (a stream's error event). Load and cache
+before sending anything (queued there, or mid-prefill) is sent again, to another replica; so is one
+whose outputs the server had not yet read. One that dies after that ends with ReplicaLostError (a
+stream's error event). Load and cache
 figures come from the ClusterState actor, refreshed every second.
 """
 
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 from llmaccel.cluster import routing
 from llmaccel.cluster.kv_index import STATS_INTERVAL_S, prompt_block_hashes
 from llmaccel.cluster.replica import GenerateCall
+from llmaccel.cluster.wire import OutputDecoder
 from llmaccel.engine.kv_cache_manager import PrefixCacheStats
 from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
@@ -83,24 +85,34 @@ class ClusterView:
 
 
 class ReplicatedEngine:
-    def __init__(self, handle, info: dict, config, state_actor, max_waiting_requests: int | None = None,
+    def __init__(self, handle, info: dict | None, config, state_actor, max_waiting_requests: int | None = None,
                  max_retries: int = 3, send_text: bool = False) -> None:
+        """`info`: a replica's describe(); None: asked for in start()."""
+        self._plain_handle = handle
         self._handle = handle.options(stream=True)
+        self._config = config
         self._state = state_actor
         self.max_waiting_requests = max_waiting_requests
         self.max_retries = max_retries
         self.send_text = send_text  # Ray's PrefixCacheAffinityRouter matches the prompt's text
         self.replica_stats: dict[str, dict] = {}
-        self.engine = ClusterView(info, config, lambda: self.replica_stats)
-        self._root, self._block_size = info["root_hash"], info["block_size"]
-        self._hash_blocks = info["prefix_caching"]
+        self.engine: ClusterView | None = None
+        if info is not None:
+            self._describe(info)
         self._streams: dict[str, RequestStream] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._ids = itertools.count()
         self._alive = False
         self._poller: asyncio.Task | None = None
 
+    def _describe(self, info: dict) -> None:
+        self.engine = ClusterView(info, self._config, lambda: self.replica_stats)
+        self._root, self._block_size = info["root_hash"], info["block_size"]
+        self._hash_blocks = info["prefix_caching"]
+
     async def start(self) -> None:
+        if self.engine is None:
+            self._describe(await self._plain_handle.describe.remote())
         await self._poll_once()
         self._poller = asyncio.get_running_loop().create_task(self._poll())
         self._alive = True
@@ -161,15 +173,19 @@ class ReplicatedEngine:
             while True:
                 answered = False
                 response = self._handle.generate.remote(call)
+                decoder = OutputDecoder(call.prompt_token_ids)
                 try:
-                    async for output in response:
+                    async for delta in response:
                         answered = True
-                        stream._put(output)
+                        stream._put(decoder.decode(delta))
                     return
                 except asyncio.CancelledError:
                     response.cancel()
                     raise
                 except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                    if answered and stream.taken == 0:  # its outputs are still queued, unread: start over
+                        stream._discard_untaken()
+                        answered = False
                     if answered:
                         logger.warning("request %s: its replica stopped mid-answer (%s)", call.request_id, exc)
                         stream._put(ReplicaLostError(call.request_id))

@@ -1,10 +1,11 @@
 """Request routers for the engine replicas (Ray Serve's RequestRouter API).
 
 CacheAwareRouter: a request goes to the replica that holds the longest run of its prompt's leading
-KV blocks, among the replicas whose queue is within `imbalance` requests of the shortest, so one hot
-prefix does not pile onto one replica (SGLang's router and Ray's PrefixCacheAffinityRouter fall back
-on load the same way). Which blocks a replica holds it knows from the replicas' own cache events
-(kv_index.py), not from a model of their caches. With no match anywhere, the shortest queue wins.
+KV blocks, among the replicas whose queue is not both `imbalance` requests and `imbalance_ratio` times
+longer than the shortest, so one hot prefix does not pile onto one replica (SGLang's router and Ray's
+PrefixCacheAffinityRouter fall back on load in the same way; routing.pick_replica is the rule).
+Which blocks a replica holds it knows from the replicas' own cache events (kv_index.py), not from a
+model of their caches. With no match anywhere, the shortest queue wins.
 
 RoundRobinRouter: the baseline that knows nothing, for `bench multiturn --replicas`.
 """
@@ -16,7 +17,7 @@ import time
 from collections import deque
 
 import ray
-from ray.serve.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter
 
 from llmaccel.cluster import routing  # a module, not its objects: Ray pickles this module by value
 from llmaccel.cluster.kv_index import STATE_ACTOR, BlockView
@@ -29,10 +30,14 @@ def _call_of(pending_request: PendingRequest | None):
     return call if hasattr(call, "block_hashes") else None
 
 
-class CacheAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, imbalance: int = 8, pull_interval_s: float = 0.01,
+class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    # Not FIFOMixin: with it, a routing task hands its pick to whichever request waits longest, so a
+    # replica chosen for one prompt's blocks serves another (measured: 1 in 6 turns misrouted).
+
+    def initialize_state(self, imbalance: int = 8, imbalance_ratio: float = 1.5, pull_interval_s: float = 0.01,
                          namespace: str = "llmaccel") -> None:
         self.imbalance = imbalance
+        self.imbalance_ratio = imbalance_ratio
         self.pull_interval_s = pull_interval_s
         self.view = BlockView()
         self._namespace = namespace
@@ -70,7 +75,7 @@ class CacheAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         loads = {name: self._load(name, r, now) for name, r in by_name.items()}
         hashes = call.block_hashes
         matches = {name: self.view.matched(name, hashes) for name in by_name}
-        best, why = routing.pick_replica(loads, matches, self.imbalance)
+        best, why = routing.pick_replica(loads, matches, self.imbalance, self.imbalance_ratio)
         routing.ROUTER_STATS.decided("cache_aware", why, matches[best], len(hashes))
         self.view.expect(best, hashes)
         self._unsent.setdefault(best, deque()).append(now)
@@ -94,7 +99,7 @@ class CacheAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
             self.view.drop(name)
 
 
-class RoundRobinRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+class RoundRobinRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, **_: object) -> None:
         self._turn = itertools.count()
 

@@ -32,17 +32,24 @@ class RouterStats:
 ROUTER_STATS = RouterStats()
 
 
-def pick_replica(loads: dict[str, int], matches: dict[str, int], imbalance: int) -> tuple[str, str]:
-    """The cache-aware rule: (replica, why). Among the replicas whose load is within `imbalance` of
-    the lightest, the one holding the most leading prompt blocks (ties: the lighter, then the name);
-    if none of those holds any, the lightest ("balance" when a busier one held some, else "no_match")."""
+def pick_replica(loads: dict[str, int], matches: dict[str, int], imbalance: int,
+                 imbalance_ratio: float = 1.5) -> tuple[str, str]:
+    """The cache-aware rule: (replica, why). A replica is too busy to claim a request when its load
+    exceeds the lightest's by more than `imbalance` requests and by more than `imbalance_ratio` times
+    (SGLang's router tests both thresholds the same way). Among the others, the one holding the most
+    leading prompt blocks wins (ties: the lighter, then the name). If none of them holds any, the
+    lightest ("balance" when a busier one held some, else "no_match"). The two thresholds keep a
+    prefix every replica will share (a common system prompt) from drawing every new conversation to
+    the first replica that cached it."""
     lightest = min(loads.values())
-    balanced = [r for r in sorted(loads) if loads[r] - lightest <= imbalance]
+    balanced = [r for r in sorted(loads)
+                if loads[r] - lightest <= imbalance or loads[r] <= imbalance_ratio * lightest]
     best = max(balanced, key=lambda r: (matches.get(r, 0), -loads[r]))
     if matches.get(best, 0):
         return best, "affinity"
     least = min(sorted(loads), key=lambda r: loads[r])
     return least, "balance" if any(matches.values()) else "no_match"
+
 
 ROUTERS = {
     "cache-aware": "llmaccel.cluster.router:CacheAwareRouter",

@@ -42,6 +42,12 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._deadline = Deadline(self._queue, deadline, request_id)  # deadline in event-loop time
         self.finished = False
+        self.taken = 0  # outputs the reader has taken
+
+    def _discard_untaken(self) -> None:
+        """Drop outputs queued but not yet read (a replicated engine sends the request again)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -56,6 +62,7 @@ class RequestStream:
                 if isinstance(item, BaseException):
                     raise item
                 self.finished = item.finished
+                self.taken += 1
                 yield item
         finally:
             self.close()

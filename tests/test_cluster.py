@@ -302,3 +302,22 @@ applications:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_bench_multiturn_compares_routers_against_replicas(llama_dir, tmp_path):
+    """`llmaccel bench multiturn --replicas 2`: every router's row from real servers, in one run."""
+    out = tmp_path / "routers.json"
+    result = subprocess.run([sys.executable, "-m", "llmaccel.cli", "bench", "multiturn", "--model", str(llama_dir),
+                             "--replicas", "2", "--routers", "cache-aware,round-robin", "--conversations", "6",
+                             "--turns", "3", "--reply-tokens", "8", "--kv-cache-memory", "8MiB",
+                             "--result-json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["multiturn"]["rows"]
+    assert set(rows) == {"cache-aware", "round-robin", "1 process"}
+    for row in rows.values():
+        assert row["prompt_tokens"] > 0 and 0 <= row["cached_tokens"] <= row["prompt_tokens"]
+        assert len(row["per_turn"]) == 3 and row["output_tokens"] == 6 * 3 * 8
+    assert sum(rows["cache-aware"]["requests_per_replica"]) == 18  # every request, counted by the replicas
+    assert set(report["multiturn"]["projection"]) == {"2", "8", "64", "512"}
+    assert "| cache-aware |" in result.stdout and "round-robin" in result.stdout

@@ -77,6 +77,9 @@ def test_the_view_counts_leading_blocks_and_follows_evictions_and_resets():
     assert view.matched("b", [1, 2, 3]) == 2
     view.apply(9, None, {"a": [5]})
     assert view.blocks == {"a": {5}} and view.cursor == 9
+    view.apply(10, [("a", [], [5])], None)
+    view.apply(8, [("a", [5], [])], None)  # an older pull answering late: ignored, block 5 stays evicted
+    assert view.blocks == {"a": set()} and view.cursor == 10
 
 
 def test_the_rule_prefers_the_holder_unless_it_is_too_busy():

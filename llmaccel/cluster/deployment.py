@@ -113,19 +113,26 @@ class Ingress:
         self._server, self._cluster = server, cluster
 
     def __serve_build_asgi_app__(self):
-        import ray
+        return replicated_app(self._handle, self._model, self._options, self._server, self._cluster)
 
-        from llmaccel.cluster.metrics import ClusterCollector
-        from llmaccel.cluster.remote_engine import ReplicatedEngine
-        from llmaccel.config import EngineConfig
-        from llmaccel.server.app import create_app
 
-        state_actor = ray.get_actor(STATE_ACTOR, namespace=self._cluster.namespace)
-        engine = ReplicatedEngine(self._handle, None, EngineConfig.create(self._model, **self._options), state_actor,
-                                  self._server.max_waiting_requests, send_text=self._cluster.router == "ray-prefix")
-        app = create_app(self._server, None, model_name=self._model, async_engine_factory=lambda: engine)
-        app.state.server.metrics.registry.register(ClusterCollector(engine))
-        return app
+def replicated_app(handle, model: str, engine_options: dict, server: ServerConfig, cluster: ClusterConfig,
+                   on_fatal=None):
+    """The OpenAI app over the engine replicas' handle: the single server's create_app, on a
+    ReplicatedEngine, with the cluster's series on its /metrics."""
+    import ray
+
+    from llmaccel.cluster.metrics import ClusterCollector
+    from llmaccel.cluster.remote_engine import ReplicatedEngine
+    from llmaccel.config import EngineConfig
+    from llmaccel.server.app import create_app
+
+    state_actor = ray.get_actor(STATE_ACTOR, namespace=cluster.namespace)
+    engine = ReplicatedEngine(handle, EngineConfig.create(model, **engine_options), state_actor,
+                              server.max_waiting_requests, send_text=cluster.router == "ray-prefix")
+    app = create_app(server, None, model_name=model, on_fatal=on_fatal, async_engine_factory=lambda: engine)
+    app.state.server.metrics.registry.register(ClusterCollector(engine))
+    return app
 
 
 def build_app(args: dict):

@@ -110,6 +110,10 @@ class BlockView:
         self.expected: dict[str, dict[int, float]] = {}
 
     def apply(self, cursor: int, entries: list | None, snapshot: dict[str, list[int]] | None) -> None:
+        """Take one pull's answer. Routing tasks pull concurrently; an answer that ends no later
+        than what the view already has is older news (replaying it would bring back evicted blocks)."""
+        if snapshot is None and cursor <= self.cursor:
+            return
         if snapshot is not None:
             self.blocks = {replica: set(held) for replica, held in snapshot.items()}
         for replica, stored, removed in entries or ():

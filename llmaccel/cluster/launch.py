@@ -95,7 +95,7 @@ def serve(model: str, engine_options: dict, config: ServerConfig, cluster: Clust
           log_level: str = "info", access_log: bool = False) -> int:
     """Start the replicas, serve until SIGTERM/SIGINT, stop them; the process exit code."""
     check_supported(config)
-    engine_config = EngineConfig.create(model, **engine_options)  # bad flags and paths fail before Ray starts
+    EngineConfig.create(model, **engine_options)  # bad flags and paths fail before Ray starts
     resolve_model_path(model)
     try:
         import ray
@@ -104,10 +104,7 @@ def serve(model: str, engine_options: dict, config: ServerConfig, cluster: Clust
         raise ValueError("--replicas needs Ray Serve: pip install 'llmaccel[cluster]' "
                          "(or pip install 'ray[serve]')") from None
 
-    from llmaccel.cluster.deployment import engine_application, ensure_state_actor
-    from llmaccel.cluster.metrics import ClusterCollector
-    from llmaccel.cluster.remote_engine import ReplicatedEngine
-    from llmaccel.server.app import create_app
+    from llmaccel.cluster.deployment import engine_application, ensure_state_actor, replicated_app
     from llmaccel.server.launch import draining_server, run_server
 
     local = cluster.address is None
@@ -127,17 +124,13 @@ def serve(model: str, engine_options: dict, config: ServerConfig, cluster: Clust
                                    route_prefix=None)
         except RuntimeError as exc:
             raise ValueError(f"the replicas of {model!r} could not start: {exc}") from None
-        info = handle.describe.remote().result()
-        engine = ReplicatedEngine(handle, info, engine_config, state_actor, config.max_waiting_requests,
-                                  send_text=cluster.router == "ray-prefix")
         server = None
 
         def stop() -> None:
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(config, None, model_name=model, on_fatal=stop, async_engine_factory=lambda: engine)
-        app.state.server.metrics.registry.register(ClusterCollector(engine))
+        app = replicated_app(handle, model, engine_options, config, cluster, on_fatal=stop)
         server = draining_server(app, config, log_level, access_log)
         return run_server(server, app, model, config)
     finally:

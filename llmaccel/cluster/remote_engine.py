@@ -22,6 +22,7 @@ from llmaccel.cluster import routing
 from llmaccel.cluster.kv_index import STATS_INTERVAL_S, prompt_block_hashes
 from llmaccel.cluster.replica import GenerateCall
 from llmaccel.cluster.wire import OutputDecoder
+from llmaccel.engine.engine import check_request
 from llmaccel.engine.kv_cache_manager import PrefixCacheStats
 from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
@@ -59,8 +60,6 @@ class ClusterView:
         self._stats = replica_stats  # () -> {replica: stats}
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        from llmaccel.engine.engine import check_request
-
         check_request(token_ids, params, self.max_model_len, self.spec.vocab_size, self.grammars)
 
     def _sum(self, key: str) -> float:
@@ -85,9 +84,8 @@ class ClusterView:
 
 
 class ReplicatedEngine:
-    def __init__(self, handle, info: dict | None, config, state_actor, max_waiting_requests: int | None = None,
+    def __init__(self, handle, config, state_actor, max_waiting_requests: int | None = None,
                  max_retries: int = 3, send_text: bool = False) -> None:
-        """`info`: a replica's describe(); None: asked for in start()."""
         self._plain_handle = handle
         self._handle = handle.options(stream=True)
         self._config = config
@@ -96,23 +94,18 @@ class ReplicatedEngine:
         self.max_retries = max_retries
         self.send_text = send_text  # Ray's PrefixCacheAffinityRouter matches the prompt's text
         self.replica_stats: dict[str, dict] = {}
-        self.engine: ClusterView | None = None
-        if info is not None:
-            self._describe(info)
+        self.engine: ClusterView | None = None  # start() asks a replica to describe the model
         self._streams: dict[str, RequestStream] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._ids = itertools.count()
         self._alive = False
         self._poller: asyncio.Task | None = None
 
-    def _describe(self, info: dict) -> None:
+    async def start(self) -> None:
+        info = await self._plain_handle.describe.remote()
         self.engine = ClusterView(info, self._config, lambda: self.replica_stats)
         self._root, self._block_size = info["root_hash"], info["block_size"]
         self._hash_blocks = info["prefix_caching"]
-
-    async def start(self) -> None:
-        if self.engine is None:
-            self._describe(await self._plain_handle.describe.remote())
         await self._poll_once()
         self._poller = asyncio.get_running_loop().create_task(self._poll())
         self._alive = True

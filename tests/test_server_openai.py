@@ -263,3 +263,22 @@ def test_models_version_and_health(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert "version" in httpx.get(server.url + "/version").json()
     server.wait_idle()
+
+
+def test_a_stream_holding_unicode_line_separators_reads_line_by_line(server, client):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (so to httpx's iter_lines) but raw in
+    JSON: each `data:` event stays one line, and the text comes back exact through both clients."""
+    import json
+
+    import httpx
+
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": MODEL_NAME, "prompt": prompt, "echo": True, "max_tokens": 2, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: {") for line in lines[:-1])
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt=prompt, echo=True, max_tokens=2, stream=True, **GREEDY))
+    assert text.startswith(prompt) and text == streamed

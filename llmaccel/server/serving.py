@@ -375,8 +375,14 @@ def _usage(job: Job, served: list[CompletionOutput], outputs) -> p.Usage:
                    prompt_tokens_details=cached, completion_tokens_details=details)
 
 
+# Characters that str.splitlines (and so httpx's iter_lines and many SSE clients) takes for line
+# breaks but JSON leaves raw; escaped, a generated U+2028 cannot split one event into two lines.
+_LINE_BREAKS_JSON_LEAVES_RAW = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: dict | BaseModel, **overrides: object) -> str:
     if isinstance(data, BaseModel):
         data = data.model_dump()
     data.update(overrides)
-    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_LEAVES_RAW)
+    return "data: " + body + "\n\n"

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas of the replicated servers")
     parser.add_argument("--kv-cache-memory", default="256MiB",
                         help="KV cache of each replica (the single process gets --replicas times this)")
+    parser.add_argument("--max-num-seqs", type=int, default=128,
+                        help="most sequences in one step of each replica (the single process: --replicas times this)")
     parser.add_argument("--routers", default=",".join(ROUTER_NAMES),
                         help="routers to compare on the multi-turn chats, comma-separated (see serve --router)")
     parser.add_argument("--conversations", type=int, default=48, help="multi-turn: conversations side by side")
@@ -54,7 +56,8 @@ def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: s
     from llmaccel.bench.compare import free_port, start_server
 
     command = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model, "--no-result-cache",
-               "--kv-cache-memory", kv_memory or args.kv_cache_memory]
+               "--kv-cache-memory", kv_memory or args.kv_cache_memory,
+               "--max-num-seqs", str(args.max_num_seqs * (args.replicas if replicas is None else 1))]
     if replicas is not None:
         command += ["--replicas", str(replicas)]
     if router is not None:
@@ -129,7 +132,10 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
     limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=args.conversations)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def ask(c: int) -> dict:
-            body = {"messages": histories[c], "max_tokens": args.reply_tokens, "temperature": 0, "ignore_eos": True}
+            # min_tokens, not ignore_eos: an end-of-turn token mid-reply would vanish from the reply's text,
+            # so the next turn's prompt would part from the cached blocks there, by chance, router by router
+            body = {"messages": histories[c], "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens,
+                    "temperature": 0}
             response = await client.post("/v1/chat/completions", json=body)
             response.raise_for_status()
             return response.json()

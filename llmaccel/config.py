@@ -230,6 +230,8 @@ class ServerConfig:
     cascade_threshold: float | None = None  # ... and the model answers when its confidence is below this
     cascade_decide_tokens: int = 32  # the confidence: mean log-probability of the small answer's first N tokens
     tool_call_parser: str = "hermes"  # reads tool calls out of the model's text (structured/tool_parsers.py)
+    ui: bool = True  # the web page at /ui (playground, dashboard, benchmarks)
+    ui_results_dir: str | None = None  # benchmark result JSON files the page may list and draw
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -250,6 +252,8 @@ class ServerConfig:
             raise ValueError(f"quality_check_interval_s must be > 0, got {self.quality_check_interval_s}")
         if any(not key or key != key.strip() or any(c in key for c in "\r\n") for key in self.api_keys):
             raise ValueError("an API key must not be empty or hold spaces at its ends or line breaks")
+        if self.ui_results_dir is not None and not Path(self.ui_results_dir).expanduser().is_dir():
+            raise ValueError(f"--ui-results-dir {self.ui_results_dir!r} is not a directory")
         if self.protect_metrics and not self.api_keys:
             raise ValueError("--protect-metrics needs --api-key (or --api-key-file): there is no key to ask for")
         if self.auth_failures_per_minute < 1 or self.max_failed_steps < 1:

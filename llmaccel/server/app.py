@@ -43,6 +43,8 @@ from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.serving import OpenAIServing
+from llmaccel.server.stats import DashboardStats, engine_summary
+from llmaccel.server.ui_routes import add_ui, results_router
 from llmaccel.structured.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class ServerState:
     rate_limiter: RateLimiter | None = None
     gate: Gate | None = None
     engine_died: bool = False  # the engine stopped after failing steps: the process should exit non-zero
+    stats: DashboardStats | None = None  # /v1/llmaccel/stats, once the engine is up
 
     @property
     def engines_alive(self) -> bool:
@@ -120,6 +123,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
                                   lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats,
                                   lambda: engine.memory_bytes)
         state.metrics.bind_speculation(lambda: engine.speculation_stats)
+        state.stats = DashboardStats(state.metrics.registry, engine_summary(engine, list(state.model_names)))
         result_cache = _result_cache(config)
         if result_cache is not None:
             state.metrics.bind_result_cache(result_cache)
@@ -254,6 +258,19 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
              responses={200: {"content": openapi.TEXT, "description": "Prometheus text format."}, **meta_errors})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if config.ui:
+        add_ui(app)
+    app.include_router(results_router(config.ui_results_dir, keyed))
+
+    @app.get("/v1/llmaccel/stats", dependencies=keyed, responses=openapi.errors(*auth_errors, 503))
+    async def dashboard_stats() -> JSONResponse:
+        """Rates, gauges, windowed latency percentiles and totals, from this server's own metrics
+        (llmaccel/server/stats.py): what the /ui dashboard draws."""
+        if state.stats is None:
+            raise APIError(503, "the model is still loading; no statistics yet", "service_unavailable",
+                           code="not_ready", headers={"Retry-After": "5"})
+        return JSONResponse(state.stats.report())
 
     @app.get("/openapi.json", dependencies=open_unless_protected, include_in_schema=False)
     async def openapi_document() -> JSONResponse:

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protect-metrics", action="store_true",
                         help="with keys: /metrics, /docs, /openapi.json and /version need a key as well "
                              "(/health always stays open)")
+    parser.add_argument("--no-ui", action="store_true",
+                        help="do not serve the web page at /ui (playground, live dashboard, benchmark viewer)")
+    parser.add_argument("--ui-results-dir", metavar="DIR",
+                        help="benchmark result JSON files (bench serve / sweep / offline) that the page's "
+                             "Benchmarks view lists and draws; files can also be uploaded in the page")
     parser.add_argument("--auth-failures-per-minute", type=int, default=10, metavar="N",
                         help="failed authentications allowed per client address per minute; after that every "
                              "attempt from it gets HTTP 429 until the allowance refills")
@@ -143,6 +148,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name),
                         api_keys=api_keys(args), protect_metrics=args.protect_metrics,
+                        ui=not args.no_ui, ui_results_dir=args.ui_results_dir,
                         auth_failures_per_minute=args.auth_failures_per_minute,
                         trusted_proxies=tuple(args.trusted_proxies), max_failed_steps=args.max_failed_steps,
                         max_waiting_requests=args.max_waiting_requests,

@@ -14,6 +14,7 @@ _WHEN = {
     400: "A field of the wrong type or out of range, malformed JSON, an unknown model, a prompt over the context "
          "window, a blocked prompt (code content_filter) or an unsupported field; the error names it.",
     401: "--api-key is set and the Bearer token is missing or wrong.",
+    404: "No such result file under --ui-results-dir (or the server has none).",
     413: "The request body is larger than --max-body-size.",
     429: "A rate limit, a full waiting queue, or too many failed authentications from this address; see "
          "Retry-After.",

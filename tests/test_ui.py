@@ -1,0 +1,187 @@
+"""The web page at /ui in headless Chromium (tests/browser.py): a streamed chat, the dashboard moving
+under load, benchmark files drawn or refused, the API key asked for; no console error anywhere."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from selenium.webdriver.common.by import By
+
+from tests.browser import console_errors, headless_chromium, wait_until
+from tests.live_server import MODEL_NAME, live_server
+
+CHINESE = "你好，世界！请用一句话介绍你自己。"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    results = tmp_path_factory.mktemp("ui-results")
+    with live_server(llama_dir, ui_results_dir=str(results)) as live:
+        live.results_dir = results
+        yield live
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with headless_chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(autouse=True)
+def no_console_errors(browser):
+    console_errors(browser)  # drain what an earlier test left
+    yield
+    assert console_errors(browser) == []
+
+
+def text_of(browser, element_id: str) -> str:
+    return browser.find_element(By.ID, element_id).text
+
+
+def set_value(browser, element_id: str, value: str) -> None:
+    field = browser.find_element(By.ID, element_id)
+    field.clear()
+    field.send_keys(value)
+
+
+def open_page(browser, url: str, view: str = "") -> None:
+    """A fresh load of the page (a new hash alone would not reload it), on `view`."""
+    browser.get("about:blank")
+    browser.get(url + "/ui" + (f"#{view}" if view else ""))
+
+
+def numbers(texts) -> list[float]:
+    """The readings among a card's texts ("–" before the first poll)."""
+    out = []
+    for text in texts:
+        try:
+            out.append(float(text))
+        except ValueError:
+            pass
+    return out or [float("nan")]
+
+
+def test_a_chat_streams_into_the_page_and_equals_the_apis_answer(server, browser):
+    open_page(browser, server.url, "")
+    wait_until(lambda: MODEL_NAME in text_of(browser, "engine-summary"), 20, "the engine summary")
+    set_value(browser, "temperature", "0")
+    set_value(browser, "max-tokens", "12")
+    set_value(browser, "message", CHINESE)
+    browser.find_element(By.ID, "send").click()
+    meta = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#conversation li.assistant .meta")
+                      and browser.find_element(By.CSS_SELECTOR, "#conversation li.assistant .meta").text, 60,
+                      "the answer's figures")
+    assert "TTFT" in meta and "12 tokens" in meta and "from the prefix cache" in meta and "result cache" in meta
+    assert browser.find_element(By.CSS_SELECTOR, "#conversation li.user .content").text == CHINESE
+    messages = browser.execute_script("return state.messages")
+    expected = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": CHINESE}], "temperature": 0, "top_p": 1,
+        "max_tokens": 12}).json()["choices"][0]["message"]["content"]
+    assert messages == [{"role": "user", "content": CHINESE}, {"role": "assistant", "content": expected}]
+    browser.find_element(By.ID, "clear").click()
+    assert browser.find_elements(By.CSS_SELECTOR, "#conversation li") == []
+
+
+def test_markdown_renders_code_blocks_and_escapes_html(server, browser):
+    open_page(browser, server.url, "")
+    html = browser.execute_script("return renderMarkdown(arguments[0])",
+                                  "**bold** and `x<y`\n```python\nprint('<b>')\n```\n- one\n- two")
+    assert html == ("<p><strong>bold</strong> and <code>x&lt;y</code></p>"
+                    "<pre><code class=\"language-python\">print(&#39;&lt;b&gt;&#39;)\n</code></pre>"
+                    "<ul><li>one</li><li>two</li></ul>")
+
+
+def test_the_dashboard_moves_while_load_runs(server, browser):
+    open_page(browser, server.url, "dashboard")
+    wait_until(lambda: numbers([text_of(browser, "card-running")]) == [0.0], 20, "the first poll")
+    finished_before = float(httpx.get(server.url + "/v1/llmaccel/stats").json()["totals"]["requests_finished"])
+
+    def one(i: int) -> int:
+        body = {"prompt": f"Load {i}", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
+
+    seen_running, seen_rate = set(), set()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        while not all(f.done() for f in futures):
+            seen_running.add(text_of(browser, "card-running"))
+            seen_rate.add(text_of(browser, "card-output_tokens_per_s"))
+        assert [f.result() for f in futures] == [200] * 16
+    assert max(numbers(seen_running)) >= 1, seen_running  # sequences were seen running
+    assert max(numbers(seen_rate)) > 0, seen_rate  # and tokens flowing
+    read_finished = ("for (const row of document.querySelectorAll('#totals tr')) "
+                     "if (row.cells[0].textContent === 'requests finished') return Number(row.cells[1].textContent);")
+    wait_until(lambda: (browser.execute_script(read_finished) or 0) >= finished_before + 16, 10,
+               "the finished count")  # read in one script: the poll replaces the table's rows
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#charts canvas")) == 6
+
+
+def _sweep(server, out_dir, label: str) -> list:
+    command = [sys.executable, "-m", "llmaccel.cli", "bench", "sweep", "--base-url", server.url, "--model",
+               MODEL_NAME, "--label", label, "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "8",
+               "--ignore-eos", "--result-dir", str(out_dir)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return sorted(out_dir.glob("*.json"))
+
+
+def test_benchmark_files_draw_curves_and_a_bad_file_is_an_error_in_the_page(server, browser, tmp_path):
+    files = _sweep(server, tmp_path / "a", "tiny-a")
+    assert len(files) == 2
+    bad_json = tmp_path / "broken.json"
+    bad_json.write_text('{"output_throughput": 1,')
+    wrong_shape = tmp_path / "other.json"
+    wrong_shape.write_text(json.dumps({"hello": "world"}))
+    open_page(browser, server.url, "benchmarks")
+    upload = browser.find_element(By.ID, "bench-files")
+    upload.send_keys("\n".join(str(f) for f in files))
+    wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 2, 10, "two rows")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#bench-charts canvas")) == 2
+    labels = {row.find_elements(By.TAG_NAME, "td")[1].text
+              for row in browser.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")}
+    assert labels == {"tiny-a"}
+    drawn = browser.execute_script("const c = document.querySelector('#bench-tpot canvas');"
+                                   "return c.getContext('2d').getImageData(0, 0, c.width, c.height).data"
+                                   ".some((v, i) => i % 4 === 3 && v > 0)")
+    assert drawn  # the curve is on the canvas, not a blank one
+    assert browser.find_element(By.ID, "bench-error").is_displayed() is False
+    upload.send_keys(f"{bad_json}\n{wrong_shape}")
+    error = wait_until(lambda: text_of(browser, "bench-error"), 10, "the error")
+    assert "broken.json: not JSON" in error and "other.json: not a result of bench serve" in error
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 2  # the good runs stay
+
+
+def test_the_results_directory_is_listed_and_loads(server, browser):
+    _sweep(server, server.results_dir, "tiny-dir")
+    open_page(browser, server.url, "benchmarks")
+    wait_until(lambda: browser.find_element(By.ID, "bench-dir").is_displayed(), 10, "the directory list")
+    options = browser.find_elements(By.CSS_SELECTOR, "#bench-dir-list option")
+    assert [o.text for o in options] == sorted(p.name for p in server.results_dir.glob("*.json"))
+    browser.execute_script("for (const o of document.getElementById('bench-dir-list').options) o.selected = true")
+    browser.find_element(By.ID, "bench-dir-load").click()
+    wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) >= 2, 10, "rows")
+    outside = httpx.get(server.url + "/v1/llmaccel/results/..%2F..%2Fetc%2Fpasswd")
+    assert outside.status_code == 404 and "not a result file" in outside.json()["error"]["message"]
+
+
+def test_the_page_asks_for_the_key_and_then_works(llama_dir):
+    with live_server(llama_dir, api_keys=("sesame",)) as keyed, headless_chromium() as driver:
+        driver.get(keyed.url + "/ui")
+        wait_until(lambda: driver.find_element(By.ID, "key-form").is_displayed(), 20, "the key form")
+        assert "API key" in driver.find_element(By.ID, "error").text
+        driver.find_element(By.ID, "api-key").send_keys("sesame")
+        driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait_until(lambda: MODEL_NAME in driver.find_element(By.ID, "engine-summary").text, 20, "the summary")
+        assert not driver.find_element(By.ID, "key-form").is_displayed()
+        unexpected = console_errors(driver, allowed=lambda message: "status of 401" in message)
+        assert unexpected == []
+
+
+def test_no_ui_turns_the_page_off(llama_dir):
+    with live_server(llama_dir, ui=False) as plain:
+        assert httpx.get(plain.url + "/ui").status_code == 404
+        assert httpx.get(plain.url + "/v1/llmaccel/stats").status_code == 200

@@ -1,0 +1,137 @@
+"""The web page on a real `llmaccel serve`: screenshots of its three views for the docs, and what an
+open dashboard costs the server.
+
+    .venv/bin/python tools/ui_pages.py screenshots --out docs/img
+    .venv/bin/python tools/ui_pages.py overhead --rounds 3 --result-json docs/results/issue19/ui-overhead.json
+
+Both drive Debian's headless Chromium through tests/browser.py, as the browser tests do.
+`overhead` runs `bench serve` at concurrency 64 against one server, rounds alternating between no
+page open and the dashboard open and polling every second, and reports the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from selenium.webdriver.common.by import By  # noqa: E402
+
+from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
+from llmaccel.platform import describe  # noqa: E402
+from tests.browser import headless_chromium, wait_until  # noqa: E402
+
+
+def serve(model: str, log: Path, *flags: str):
+    port = free_port()
+    command = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", model, "--port", str(port),
+               "--no-result-cache", *flags]
+    return start_server(command, port, log, timeout=600), f"http://127.0.0.1:{port}"
+
+
+def bench(url: str, model: str, concurrency: int, prompts: int, output_len: int, label: str) -> dict:
+    from llmaccel.bench.serve import add_arguments, run_benchmark, sample_requests, tokenizer_for
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--base-url", url, "--model", model, "--label", label, "--num-prompts", str(prompts),
+                              "--output-len", str(output_len), "--ignore-eos", "--timeout", "3600"])
+    tokenizer = tokenizer_for(args)
+    requests = sample_requests(args, tokenizer)
+    return asyncio.run(run_benchmark(args, requests, tokenizer, float("inf"), concurrency, progress=False))
+
+
+def screenshots(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(tmp) / "results"
+        results.mkdir()
+        proc, url = serve(args.model, Path(tmp) / "serve.log", "--ui-results-dir", str(results))
+        try:
+            for c in (1, 4, 16):  # a small sweep for the Benchmarks view
+                result = bench(url, args.model, c, max(8, 2 * c), 64, "llmaccel")
+                (results / f"llmaccel-c{c}.json").write_text(json.dumps(result))
+            with headless_chromium(1280, 1000) as driver:
+                driver.get(url + "/ui")
+                wait_until(lambda: "KV blocks" in driver.find_element(By.ID, "engine-summary").text, 30, "summary")
+                driver.find_element(By.ID, "message").send_keys("Explain in two sentences what a KV cache is.")
+                driver.find_element(By.ID, "send").click()
+                wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, "li.assistant .meta") and
+                           driver.find_element(By.CSS_SELECTOR, "li.assistant .meta").text, 120, "the answer")
+                driver.save_screenshot(str(args.out / "ui-playground.png"))
+                driver.get(url + "/ui#dashboard")
+                time.sleep(2)
+                import threading
+
+                load = threading.Thread(target=bench, args=(url, args.model, 16, 48, 128, "load"))
+                load.start()
+                time.sleep(12)
+                driver.save_screenshot(str(args.out / "ui-dashboard.png"))
+                load.join()
+                driver.get(url + "/ui#benchmarks")
+                wait_until(lambda: driver.find_element(By.ID, "bench-dir").is_displayed(), 10, "the list")
+                driver.execute_script("for (const o of document.getElementById('bench-dir-list').options) "
+                                      "o.selected = true")
+                driver.find_element(By.ID, "bench-dir-load").click()
+                wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 3, 10,
+                           "the table")
+                driver.save_screenshot(str(args.out / "ui-benchmarks.png"))
+        finally:
+            stop_server(proc)
+    print(f"wrote {args.out}/ui-playground.png, ui-dashboard.png, ui-benchmarks.png")
+    return 0
+
+
+def overhead(args: argparse.Namespace) -> int:
+    runs: dict[str, list[float]] = {"no page": [], "dashboard open": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = serve(args.model, Path(tmp) / "serve.log")
+        try:
+            bench(url, args.model, 4, 4, 8, "warm-up")
+            with headless_chromium() as driver:
+                for _ in range(args.rounds):
+                    for label in runs:
+                        driver.get(url + "/ui#dashboard" if label == "dashboard open" else "about:blank")
+                        result = bench(url, args.model, 64, 64, args.output_len, label)
+                        polls = driver.execute_script("return state.history ? state.history.length : 0") \
+                            if label == "dashboard open" else 0
+                        runs[label].append(result["output_throughput"])
+                        print(f"{label}: {result['output_throughput']:.1f} tok/s ({polls} polls)", file=sys.stderr)
+        finally:
+            stop_server(proc)
+    medians = {label: statistics.median(v) for label, v in runs.items()}
+    ratio = medians["dashboard open"] / medians["no page"]
+    print("| page | output tok/s (median) | runs |\n|---|---|---|")
+    for label, values in runs.items():
+        print(f"| {label} | {medians[label]:.1f} | {', '.join(f'{v:.0f}' for v in values)} |")
+    print(f"dashboard open / no page: {ratio:.3f}x")
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps({"machine": describe(), "model": args.model, "runs": runs,
+                                                "medians": medians, "ratio": ratio}, indent=1))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF file or HF directory")
+    sub = parser.add_subparsers(dest="what", required=True)
+    shots = sub.add_parser("screenshots", help="the three views, as PNGs")
+    shots.add_argument("--out", type=Path, default=Path("docs/img"), help="where the PNGs go")
+    cost = sub.add_parser("overhead", help="bench serve at concurrency 64 with and without the dashboard open")
+    cost.add_argument("--rounds", type=int, default=3, help="alternating rounds of each")
+    cost.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
+    cost.add_argument("--result-json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    return screenshots(args) if args.what == "screenshots" else overhead(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -50,12 +49,3 @@ def console_errors(driver, allowed: Callable[[str], bool] = lambda message: Fals
     """The console's errors since the last call (the log is drained by reading it)."""
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE" and not allowed(e["message"])]
 
-
-def wait_until(condition: Callable[[], object], timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

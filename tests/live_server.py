@@ -95,3 +95,15 @@ def live_server(model_dir, engine_factory: Callable[[], LLMEngine] | None = None
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """condition()'s first truthy value, polled every `interval` s; an AssertionError naming `what`
+    after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

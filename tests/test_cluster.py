@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from llmaccel.bench.compare import free_port
-from tests.live_server import MODEL_NAME, live_server
+from tests.live_server import MODEL_NAME, live_server, wait_until
 
 SYSTEM = ("You are the assistant of a small bookshop. Answer in one short sentence and never invent "
           "titles, prices or opening hours that you were not told about.")
@@ -101,13 +101,8 @@ def replica_pids(url: str) -> dict[str, int]:
 
 
 def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    """wait_until, polling /metrics every half second (under load it is slow to answer)."""
+    return wait_until(condition, timeout, what, interval=0.5)
 
 
 def counter(text: str, name: str, **labels: str) -> float:

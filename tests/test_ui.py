@@ -12,8 +12,8 @@ import httpx
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.browser import console_errors, headless_chromium, wait_until
-from tests.live_server import MODEL_NAME, live_server
+from tests.browser import console_errors, headless_chromium
+from tests.live_server import MODEL_NAME, live_server, wait_until
 
 CHINESE = "你好，世界！请用一句话介绍你自己。"
 

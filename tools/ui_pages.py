@@ -26,7 +26,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 
 from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
 from llmaccel.platform import describe  # noqa: E402
-from tests.browser import headless_chromium, wait_until  # noqa: E402
+from tests.browser import headless_chromium  # noqa: E402
+from tests.live_server import wait_until  # noqa: E402
 
 
 def serve(model: str, log: Path, *flags: str):

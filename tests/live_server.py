@@ -82,7 +82,7 @@ def live_server(model_dir, engine_factory: Callable[[], LLMEngine] | None = None
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app.state.server, server)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a fresh machine compiles the CPU kernels first (~1 min)
         while wait_ready:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(live.url + "/health", timeout=1).status_code == 200:

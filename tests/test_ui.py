@@ -195,3 +195,28 @@ def test_no_ui_turns_the_page_off(llama_dir):
     with live_server(llama_dir, ui=False) as plain:
         assert httpx.get(plain.url + "/ui").status_code == 404
         assert httpx.get(plain.url + "/v1/llmaccel/stats").status_code == 200
+
+
+def test_every_view_fits_a_phone_and_charts_follow_their_width(server, browser, tmp_path):
+    """At 390 px nothing scrolls sideways (wide tables scroll in their own box); a chart whose box changes
+    width (a neighbour arrives, the phone turns) is redrawn at its new width, not stretched."""
+    files = _sweep(server, tmp_path, "tiny-phone")
+    bitmaps_match = ("return [...document.querySelectorAll('#bench-charts canvas')].map("
+                     "(c) => c.width === Math.round(c.clientWidth * (window.devicePixelRatio || 1)))")
+    sideways = "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+    browser.set_window_size(390, 844)
+    try:
+        for view in ("", "dashboard", "benchmarks"):
+            open_page(browser, server.url, view)
+            wait_until(lambda: MODEL_NAME in text_of(browser, "engine-summary"), 20, "the engine summary")
+            if view == "dashboard":
+                wait_until(lambda: numbers([text_of(browser, "card-running")]) == [0], 20, "the first poll")
+            if view == "benchmarks":
+                browser.find_element(By.ID, "bench-files").send_keys("\n".join(str(f) for f in files))
+                wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 2, 10,
+                           "the table")
+            assert browser.execute_script(sideways) <= 0, view
+        browser.set_window_size(1280, 900)  # the phone turns: the charts now share a row
+        wait_until(lambda: browser.execute_script(bitmaps_match) == [True, True], 5, "charts redrawn at their width")
+    finally:
+        browser.set_window_size(1280, 900)

@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,9 +57,14 @@ def screenshots(args: argparse.Namespace) -> int:
         results.mkdir()
         proc, url = serve(args.model, Path(tmp) / "serve.log", "--ui-results-dir", str(results))
         try:
-            for c in (1, 4, 16):  # a small sweep for the Benchmarks view
-                result = bench(url, args.model, c, max(8, 2 * c), 64, "llmaccel")
-                (results / f"llmaccel-c{c}.json").write_text(json.dumps(result))
+            int8, int8_url = serve(args.model, Path(tmp) / "serve-int8.log", "--quantization", "int8")
+            try:  # two small sweeps for the Benchmarks view, overlaid: the served dtype and int8 weights
+                for label, target in (("llmaccel", url), ("llmaccel int8", int8_url)):
+                    for c in (1, 4, 16):
+                        result = bench(target, args.model, c, max(8, 2 * c), 64, label)
+                        (results / f"{label.replace(' ', '-')}-c{c}.json").write_text(json.dumps(result))
+            finally:
+                stop_server(int8)
             with headless_chromium(1280, 1000) as driver:
                 driver.get(url + "/ui")
                 wait_until(lambda: "KV blocks" in driver.find_element(By.ID, "engine-summary").text, 30, "summary")
@@ -68,12 +74,10 @@ def screenshots(args: argparse.Namespace) -> int:
                            driver.find_element(By.CSS_SELECTOR, "li.assistant .meta").text, 120, "the answer")
                 driver.save_screenshot(str(args.out / "ui-playground.png"))
                 driver.get(url + "/ui#dashboard")
-                time.sleep(2)
-                import threading
-
-                load = threading.Thread(target=bench, args=(url, args.model, 16, 48, 128, "load"))
+                time.sleep(3)  # a few quiet polls before the load, so the charts show it arrive
+                load = threading.Thread(target=bench, args=(url, args.model, 32, 192, 128, "load"))
                 load.start()
-                time.sleep(12)
+                time.sleep(15)  # the load runs ~30 s: the picture is taken in the middle of it
                 driver.save_screenshot(str(args.out / "ui-dashboard.png"))
                 load.join()
                 driver.get(url + "/ui#benchmarks")
@@ -81,7 +85,7 @@ def screenshots(args: argparse.Namespace) -> int:
                 driver.execute_script("for (const o of document.getElementById('bench-dir-list').options) "
                                       "o.selected = true")
                 driver.find_element(By.ID, "bench-dir-load").click()
-                wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 3, 10,
+                wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#bench-table tbody tr")) == 6, 10,
                            "the table")
                 driver.save_screenshot(str(args.out / "ui-benchmarks.png"))
         finally:

@@ -266,6 +266,7 @@ async function loadModel() {
 // ---------- charts ----------
 function niceNumber(value) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
+  if (Number.isInteger(value)) return String(value);  // counts read as counts: 3, not 3.00
   const abs = Math.abs(value);
   if (abs >= 1000) return value.toFixed(0);
   if (abs >= 10) return value.toFixed(1);
@@ -274,6 +275,7 @@ function niceNumber(value) {
 
 // series: [{name, points: [[x, y], ...]}]; x as seconds ago when opts.time
 function drawChart(canvas, series, opts = {}) {
+  canvas.chart = [series, opts];  // redrawn by the resize observer when the layout changes its width
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth || 320;
   const height = canvas.clientHeight || 180;
@@ -323,6 +325,15 @@ function drawChart(canvas, series, opts = {}) {
   });
 }
 
+// A chart drawn before its grid gained a neighbour (or before a phone turned) keeps its old bitmap: redraw it.
+const resizes = new ResizeObserver((entries) => {
+  for (const { target } of entries) {
+    if (target.chart && target.clientWidth && target.width !== Math.round(target.clientWidth * (window.devicePixelRatio || 1))) {
+      drawChart(target, ...target.chart);
+    }
+  }
+});
+
 function chartFigure(container, id, caption) {
   let figure = document.getElementById(id);
   if (!figure) {
@@ -331,6 +342,7 @@ function chartFigure(container, id, caption) {
     figure.innerHTML = `<canvas role="img" aria-label="${escapeHtml(caption)}"></canvas>` +
       `<figcaption>${escapeHtml(caption)}</figcaption>`;
     container.append(figure);
+    resizes.observe(figure.querySelector("canvas"));
   }
   return figure.querySelector("canvas");
 }
@@ -480,7 +492,9 @@ function drawBenchmarks() {
   const names = { requests: "req/s", tokens: "output tok/s", ttft50: "TTFT p50 ms", ttft99: "TTFT p99 ms",
                   tpot50: "TPOT p50 ms", tpot99: "TPOT p99 ms" };
   $("bench-table").tHead.innerHTML = "<tr>" + columns.map((c) => `<th scope="col">${names[c] || c}</th>`).join("") + "</tr>";
-  $("bench-table").tBodies[0].replaceChildren(...runs.map((r) => {
+  const ordered = [...runs].sort((a, b) => String(a.label).localeCompare(String(b.label)) ||
+                                            (a.concurrency ?? 0) - (b.concurrency ?? 0) || (a.rate ?? 0) - (b.rate ?? 0));
+  $("bench-table").tBodies[0].replaceChildren(...ordered.map((r) => {
     const tr = document.createElement("tr");
     tr.innerHTML = columns.map((c) => {
       const v = r[c];

@@ -25,6 +25,22 @@ def cpu_features() -> set[str]:
     return set()
 
 
+def cpu_family_model() -> str | None:
+    """'family/model' of /proc/cpuinfo, e.g. '25/1' (AMD Zen 3) or '26/2' (Zen 5): "AMD EPYC" alone
+    names both, and the two differ in AVX-512 and bfloat16 hardware."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        return None
+    return f"{fields['cpu family']}/{fields['model']}" if len(fields) == 2 else None
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -102,7 +118,7 @@ def describe() -> dict[str, object]:
 
     flags = cpu_features()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+    return {"cpu": cpu_model(), "cpu_family_model": cpu_family_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "features": [f for f in FEATURES if f in flags], "torch": torch.__version__,
             "gpu": gpu}
 

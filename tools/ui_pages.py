@@ -2,11 +2,15 @@
 open dashboard costs the server.
 
     .venv/bin/python tools/ui_pages.py screenshots --out docs/img
-    .venv/bin/python tools/ui_pages.py overhead --rounds 3 --result-json docs/results/issue19/ui-overhead.json
+    .venv/bin/python tools/ui_pages.py overhead --rounds 8 --output-len 256 \
+        --result-json docs/results/issue19/ui-overhead-zen5.json
 
 Both drive Debian's headless Chromium through tests/browser.py, as the browser tests do.
-`overhead` runs `bench serve` at concurrency 64 against one server, rounds alternating between no
-page open and the dashboard open and polling every second, and reports the medians and their ratio.
+`overhead` runs `bench serve` at concurrency 64 against one server in four arms per round: no page
+open, twice (the second arm shows what noise alone does to a ratio); the stats endpoint polled once a
+second by a plain client (a dashboard open on another machine); and the dashboard open in Chromium on
+this machine, polling and drawing (its rendering shares the server's cores). It reports medians and
+each arm's ratio to no page, also paired by round.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -23,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
 from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
@@ -94,34 +100,91 @@ def screenshots(args: argparse.Namespace) -> int:
     return 0
 
 
+ARMS = ("no page", "no page again", "stats polled", "dashboard open")  # the second: what noise alone gives
+
+
+class StatsPoller:
+    """What a dashboard on another machine asks of the server: GET /v1/llmaccel/stats once a second."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.polls, self._stop = url, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.wait(1.0):
+                client.get(self.url + "/v1/llmaccel/stats").raise_for_status()
+                self.polls += 1
+
+    def __enter__(self) -> StatsPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def one_arm(arm: str, url: str, driver, args: argparse.Namespace) -> tuple[float, int]:
+    """(output tok/s of bench serve at concurrency 64, polls made) with the page in state `arm`."""
+    driver.get(url + "/ui#dashboard" if arm == "dashboard open" else "about:blank")
+    if arm == "stats polled":
+        with StatsPoller(url) as poller:
+            result = bench(url, args.model, 64, 64, args.output_len, arm)
+        return result["output_throughput"], poller.polls
+    result = bench(url, args.model, 64, 64, args.output_len, arm)
+    polls = driver.execute_script("return state.history.length") if arm == "dashboard open" else 0
+    return result["output_throughput"], polls
+
+
 def overhead(args: argparse.Namespace) -> int:
-    runs: dict[str, list[float]] = {"no page": [], "dashboard open": []}
+    """Rounds of the four arms, the order rotated each round so no arm always follows another."""
+    runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = serve(args.model, Path(tmp) / "serve.log")
         try:
-            bench(url, args.model, 4, 4, 8, "warm-up")
+            bench(url, args.model, 64, 64, 32, "warm-up")
             with headless_chromium() as driver:
-                for _ in range(args.rounds):
-                    for label in runs:
-                        driver.get(url + "/ui#dashboard" if label == "dashboard open" else "about:blank")
-                        result = bench(url, args.model, 64, 64, args.output_len, label)
-                        polls = driver.execute_script("return state.history ? state.history.length : 0") \
-                            if label == "dashboard open" else 0
-                        runs[label].append(result["output_throughput"])
-                        print(f"{label}: {result['output_throughput']:.1f} tok/s ({polls} polls)", file=sys.stderr)
+                for round_index in range(args.rounds):
+                    for arm in ARMS[round_index % len(ARMS):] + ARMS[:round_index % len(ARMS)]:
+                        tokens_per_s, polls = one_arm(arm, url, driver, args)
+                        runs[arm].append(tokens_per_s)
+                        print(f"round {round_index + 1} {arm}: {tokens_per_s:.1f} tok/s ({polls} polls)",
+                              file=sys.stderr)
         finally:
             stop_server(proc)
-    medians = {label: statistics.median(v) for label, v in runs.items()}
-    ratio = medians["dashboard open"] / medians["no page"]
-    print("| page | output tok/s (median) | runs |\n|---|---|---|")
-    for label, values in runs.items():
-        print(f"| {label} | {medians[label]:.1f} | {', '.join(f'{v:.0f}' for v in values)} |")
-    print(f"dashboard open / no page: {ratio:.3f}x")
+    summary = summarize(runs)
+    print("| page | output tok/s (median) | against no page | paired by round [95% CI] | runs |\n"
+          "|---|---|---|---|---|")
+    for arm, values in runs.items():
+        row = summary.get(arm)
+        against = "" if row is None else (f"{row['ratio']:.3f}x | {row['paired']:.3f}x "
+                                          f"[{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}]")
+        print(f"| {arm} | {statistics.median(values):.1f} | {against or ' | '} | "
+              f"{', '.join(f'{v:.0f}' for v in values)} |")
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"machine": describe(), "model": args.model, "runs": runs,
-                                                "medians": medians, "ratio": ratio}, indent=1))
+        args.result_json.write_text(json.dumps({
+            "machine": describe(), "model": args.model, "concurrency": 64, "num_prompts": 64,
+            "output_len": args.output_len, "runs": runs, "against_no_page": summary}, indent=1))
     return 0
+
+
+def summarize(runs: dict[str, list[float]], resamples: int = 5000) -> dict[str, dict]:
+    """Each arm against no page: the ratio of medians, the median of each round's own ratio, and a
+    bootstrap 95% interval of that median (seeded, so the same runs give the same figures). The
+    interval of 'no page again' is the noise: an arm inside it costs nothing this run can resolve."""
+    rng = random.Random(0)
+    base = runs["no page"]
+    out = {}
+    for arm in ARMS[1:]:
+        ratios = [a / b for a, b in zip(runs[arm], base, strict=True)]
+        boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+        out[arm] = {"ratio": statistics.median(runs[arm]) / statistics.median(base),
+                    "paired": statistics.median(ratios),
+                    "ci95": [boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]],
+                    "per_round": [min(ratios), max(ratios)]}
+    return out
 
 
 def main() -> int:
@@ -131,7 +194,7 @@ def main() -> int:
     shots = sub.add_parser("screenshots", help="the three views, as PNGs")
     shots.add_argument("--out", type=Path, default=Path("docs/img"), help="where the PNGs go")
     cost = sub.add_parser("overhead", help="bench serve at concurrency 64 with and without the dashboard open")
-    cost.add_argument("--rounds", type=int, default=3, help="alternating rounds of each")
+    cost.add_argument("--rounds", type=int, default=3, help="rounds of the four arms (order rotated)")
     cost.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
     cost.add_argument("--result-json", type=Path, help="write the figures here")
     args = parser.parse_args()

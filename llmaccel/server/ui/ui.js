@@ -390,6 +390,7 @@ function setUpDashboard() {
 }
 
 async function pollOnce() {
+  if (document.hidden) return;  // a background tab asks nothing of the server
   try {
     const stats = await (await api("/v1/llmaccel/stats")).json();
     const now = Date.now() / 1000;

@@ -118,9 +118,9 @@ def describe() -> dict[str, object]:
 
     flags = cpu_features()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu_model(), "cpu_family_model": cpu_family_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(), "features": [f for f in FEATURES if f in flags], "torch": torch.__version__,
-            "gpu": gpu}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu_model(), "cpu_family_model": cpu_family_model(), "cores": cores,
+            "features": [f for f in FEATURES if f in flags], "torch": torch.__version__, "gpu": gpu}
 
 
 def machine_record() -> dict[str, object]:

@@ -55,8 +55,10 @@ def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: s
             kv_memory: str | None = None):
     from llmaccel.bench.compare import free_port, start_server
 
+    # --no-input-filter: each turn sends the model's own replies back as history, and a reply that happens to
+    # match a rule (a 135M model's text once matched 'jailbreak.persona') would end that run; this measures routing
     command = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model, "--no-result-cache",
-               "--kv-cache-memory", kv_memory or args.kv_cache_memory,
+               "--no-input-filter", "--kv-cache-memory", kv_memory or args.kv_cache_memory,
                "--max-num-seqs", str(args.max_num_seqs * (args.replicas if replicas is None else 1))]
     if replicas is not None:
         command += ["--replicas", str(replicas)]
@@ -137,7 +139,8 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
             body = {"messages": histories[c], "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens,
                     "temperature": 0}
             response = await client.post("/v1/chat/completions", json=body)
-            response.raise_for_status()
+            if response.is_error:  # the server's own words, not just the status
+                raise RuntimeError(f"conversation {c}: HTTP {response.status_code}: {response.text[:500]}")
             return response.json()
 
         start = time.perf_counter()

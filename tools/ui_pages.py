@@ -45,12 +45,9 @@ def serve(model: str, log: Path, *flags: str):
 
 
 def bench(url: str, model: str, concurrency: int, prompts: int, output_len: int, label: str) -> dict:
-    from llmaccel.bench.serve import add_arguments, run_benchmark, sample_requests, tokenizer_for
+    from llmaccel.bench.serve import benchmark_args, run_benchmark, sample_requests, tokenizer_for
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--base-url", url, "--model", model, "--label", label, "--num-prompts", str(prompts),
-                              "--output-len", str(output_len), "--ignore-eos", "--timeout", "3600"])
+    args = benchmark_args(url, label, "--model", model, "--num-prompts", str(prompts), "--output-len", str(output_len))
     tokenizer = tokenizer_for(args)
     requests = sample_requests(args, tokenizer)
     return asyncio.run(run_benchmark(args, requests, tokenizer, float("inf"), concurrency, progress=False))

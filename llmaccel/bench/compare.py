@@ -30,8 +30,7 @@ import httpx
 
 from llmaccel.bench import datasets
 from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
-from llmaccel.bench.serve import add_arguments as add_serve_arguments
-from llmaccel.bench.serve import run_benchmark, tokenizer_for
+from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
 from llmaccel.platform import machine_record
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -132,9 +131,7 @@ def _weight_bytes(value: str) -> tuple[str, int]:
 def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None,
              weight_bytes: dict[str, int] | None = None) -> dict:
     began = time.monotonic()
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)  # bench serve's own defaults, so both commands measure alike
-    bench = parser.parse_args(["--base-url", url, "--label", label, "--ignore-eos", "--timeout", "3600"])
+    bench = benchmark_args(url, label)  # bench serve's own defaults, so both commands measure alike
     bench.extra_body = extra_body
     single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
     warm = datasets.SampleRequest("Hello!", 0, 8)

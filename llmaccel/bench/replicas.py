@@ -77,8 +77,7 @@ def _total_kv(args: argparse.Namespace) -> str:
 def throughput(args: argparse.Namespace, workdir: Path) -> dict:
     from llmaccel.bench.compare import stop_server
     from llmaccel.bench.datasets import builtin_requests
-    from llmaccel.bench.serve import add_arguments as add_serve_arguments
-    from llmaccel.bench.serve import run_benchmark, tokenizer_for
+    from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
 
     runs: dict[str, list[dict]] = {"1 process": [], f"{args.replicas} replicas": []}
     for round_index in range(args.rounds):
@@ -86,10 +85,7 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
             proc, url = _server(args, workdir / f"throughput-{label.replace(' ', '-')}-{round_index}.log",
                                 replicas, kv_memory=_total_kv(args) if replicas is None else None)
             try:
-                parser = argparse.ArgumentParser()
-                add_serve_arguments(parser)
-                bench = parser.parse_args(["--base-url", url, "--label", label, "--ignore-eos", "--timeout", "3600",
-                                           "--model", args.model])
+                bench = benchmark_args(url, label, "--model", args.model)
                 tokenizer = tokenizer_for(bench)
                 warm = builtin_requests(tokenizer, 4, 8)
                 asyncio.run(run_benchmark(bench, warm, tokenizer, float("inf"), 4, progress=False))

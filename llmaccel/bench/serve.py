@@ -75,6 +75,15 @@ def load_tokenizer(name: str):
     return load(hf_dir_for(name))
 
 
+def benchmark_args(url: str, label: str, *flags: str) -> argparse.Namespace:
+    """bench serve's own arguments and defaults for one server, as its command line would parse them
+    (EOS ignored, an hour's timeout, then `flags`): for the commands that run it from code, so they
+    all measure alike."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--base-url", url, "--label", label, "--ignore-eos", "--timeout", "3600", *flags])
+
+
 def sample_requests(args: argparse.Namespace, tokenizer) -> list[datasets.SampleRequest]:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")

@@ -14,41 +14,39 @@ if TYPE_CHECKING:
 FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
-def cpu_features() -> set[str]:
-    """The instruction-set flags /proc/cpuinfo lists (empty where it cannot be read)."""
+def _first_cpu() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ('flags', 'model name', 'cpu family', ...), or
+    none where it cannot be read."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if not line.strip():
+                if fields:
+                    break
+                continue
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_features() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where it cannot be read)."""
+    return set(_first_cpu().get("flags", "").split())
 
 
 def cpu_family_model() -> str | None:
     """'family/model' of /proc/cpuinfo, e.g. '25/1' (AMD Zen 3) or '26/2' (Zen 5): "AMD EPYC" alone
     names both, and the two differ in AVX-512 and bfloat16 hardware."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-            if not line.strip() and fields:
-                break
-    except OSError:
+    fields = _first_cpu()
+    if "cpu family" not in fields or "model" not in fields:
         return None
-    return f"{fields['cpu family']}/{fields['model']}" if len(fields) == 2 else None
+    return f"{fields['cpu family']}/{fields['model']}"
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return _platform.processor() or _platform.machine()
+    return _first_cpu().get("model name") or _platform.processor() or _platform.machine()
 
 
 BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # CPU features that compute bfloat16 natively

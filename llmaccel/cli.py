@@ -133,11 +133,11 @@ def _serve(args: argparse.Namespace) -> int:
     from llmaccel.cluster import launch as cluster_launch
     from llmaccel.server import launch
 
+    options = {**_engine_options(args), **launch.guard_options(args)}
     if cluster_launch.wants_replicas(args):
-        return cluster_launch.serve(args.model, _engine_options(args), launch.server_config(args),
+        return cluster_launch.serve(args.model, options, launch.server_config(args),
                                     cluster_launch.cluster_config(args), args.log_level, access_log=args.access_log)
-    return launch.serve(args.model, _engine_options(args), launch.server_config(args), args.log_level,
-                        access_log=args.access_log)
+    return launch.serve(args.model, options, launch.server_config(args), args.log_level, access_log=args.access_log)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -172,6 +172,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "routers against each other on multi-turn chats (prefix-cache hit rate), in one run", "add_arguments", "run"),
     ("safety", "safety", "input-filter latency by prompt length, and detection / false-positive rates on labelled "
      "jailbreak and ordinary prompt sets", "add_arguments", "run"),
+    ("guard-cost", "guard_cost", "what the in-engine semantic guard costs a server under load: output tok/s with "
+     "the rules alone against rules + semantic guard, in rotated rounds with a null arm", "add_arguments", "run"),
     ("soak", "soak", "identical passes of streamed traffic with disconnects, client timeouts and identical "
      "requests: lost requests, gauges after each pass, RSS per pass (does it level off?)", "add_arguments", "run"),
     ("guard", "guard", "the output guard per served variant on the built-in prompts: abnormal-output ratio, "
@@ -229,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "train a smaller student of a model on its own next-token distributions (resumable)")
     _add_module_command(commands, "distill-head", "llmaccel.distill.draft_head",
                         "train an EAGLE-style draft head on a model's own features, for --speculative-model")
+    safety = commands.add_parser("safety", help="the safety stages' tools")
+    safety_commands = safety.add_subparsers(dest="safety_command", required=True)
+    _add_module_command(safety_commands, "train-guard", "llmaccel.safety.guard_train",
+                        "train the semantic input guard's classifier for a model on its own hidden states, and "
+                        "evaluate it with whole prompt sets held out")
     evaluate = commands.add_parser("eval", help="quality evaluations")
     eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
     _add_module_command(eval_commands, "ppl", "llmaccel.quantization.perplexity",

@@ -168,12 +168,36 @@ class SpeculativeConfig:
         return self.speculative_method
 
 
+GUARD_ACTIONS = ("block", "flag", "count")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The semantic input guard (safety/semantic_guard.py, engine/guard_stage.py): a classifier on the
+    model's pooled hidden states, judged at the end of each prompt's prefill, before its first token."""
+
+    semantic_guard: str | None = None  # a classifier file, "default" (the one shipped or trained for this
+    # model; none: the rules alone, logged) or None: off
+    semantic_guard_action: str = "block"  # block: end it with no token (HTTP 400 content_filter);
+    # flag: serve it, count it and log it; count: serve it and only count it
+    semantic_guard_threshold: float | None = None  # a probability in (0, 1); None: the classifier's own
+
+    def __post_init__(self) -> None:
+        if self.semantic_guard_action not in GUARD_ACTIONS:
+            raise ValueError(f"unknown semantic guard action {self.semantic_guard_action!r}; choose "
+                             f"{', '.join(GUARD_ACTIONS)}")
+        if self.semantic_guard_threshold is not None and not 0.0 < self.semantic_guard_threshold < 1.0:
+            raise ValueError(f"semantic_guard_threshold must be a probability in (0, 1), got "
+                             f"{self.semantic_guard_threshold}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @classmethod
     def create(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
@@ -182,7 +206,7 @@ class EngineConfig:
             kwargs["kv_cache_memory"] = parse_memory_size(kwargs["kv_cache_memory"])  # type: ignore[arg-type]
         parts = {}
         for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                            ("speculative", SpeculativeConfig)):
+                            ("speculative", SpeculativeConfig), ("guard", GuardConfig)):
             names = {f.name for f in fields(klass)}
             chosen = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
             if klass is ModelConfig:

@@ -47,3 +47,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[Logprob | None] | None = None
     error: str | None = None  # why the engine failed this request (finish reason "error"), else None
+    blocked: str | None = None  # why the semantic guard blocked it (finish reason "content_filter"), else None
+    guard: tuple[str, float] | None = None  # the semantic guard's (verdict, score), once judged

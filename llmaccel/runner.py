@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmaccel.engine.guard_stage import GuardStage, Judgement, TappedPiece, Verdict
 from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.model.causal_lm import CausalLM
+from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
@@ -36,6 +38,8 @@ class StepResult:
     features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # requests with prompt_logprobs: request id -> (first prompt position, the logprobs of its tokens there on)
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
+    # with a semantic guard: request id -> its judgement, for each request whose prompt ended this step
+    judged: dict[str, Judgement] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ModelRunner:
         # fill grammar masks on a worker thread during the forward pass, else just before it: on a CPU the
         # forward pass has every core already (bench structured: no gain from overlap on 2 cores)
         self.overlap_masks = device.type != "cpu"
+        self.guard: GuardStage | None = None  # the semantic input guard (engine/guard_stage.py), when on
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The zeroed KV pool. On the CPU it is one anonymous mmap: the OS zero-fills its pages on first
@@ -82,6 +87,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.guard is not None:
+            self.guard.forget(request_id)
 
     def execute(self, output: SchedulerOutput, confidence: bool = False,
                 drafts: Mapping[str, list[int]] | None = None, features: bool = False) -> StepResult:
@@ -103,7 +110,11 @@ class ModelRunner:
                 spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
         by_request = {item.request.request_id: item for item in output.scheduled}
         masks = self._start_masks(output, drafts)
-        hidden, spans = self.forward_spans(spans)
+        spans = _in_row_order(spans)
+        pieces = self._guard_pieces(spans) if self.guard is not None else []
+        taps = self.guard.taps(pieces) if pieces else None
+        hidden, spans = self.forward_spans(spans, taps=taps)
+        judged = self.guard.observe(pieces, taps) if taps is not None else {}
         kept_features = self._features(hidden, spans) if features else {}
         prompt_logprobs = self._prompt_logprobs(hidden, spans)
         # rows to sample, of the spans that reach their request's last token: every row of a rows span
@@ -112,13 +123,16 @@ class ModelRunner:
         sampled_spans: list[tuple[Span, int]] = []
         offset = 0
         for span in spans:
+            judgement = judged.get(span.request.request_id)
+            if judgement is not None and judgement.verdict is Verdict.BLOCK:
+                continue  # judged before its first token: never sampled
             if by_request[span.request.request_id].samples:
                 count = len(span.token_ids) if span.as_rows else 1
                 sampled_spans.append((span, len(sample_rows)))
                 sample_rows.extend(range(offset + len(span.token_ids) - count, offset + len(span.token_ids)))
             offset += len(span.token_ids)
         if not sampled_spans:
-            return StepResult({}, {}, kept_features, prompt_logprobs)
+            return StepResult({}, {}, kept_features, prompt_logprobs, judged)
         device = self.device
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
@@ -166,7 +180,7 @@ class ModelRunner:
                                                            results)
             except Exception as exc:
                 failed[request.request_id] = exc
-        return StepResult(sampled, failed, kept_features, prompt_logprobs)
+        return StepResult(sampled, failed, kept_features, prompt_logprobs, judged)
 
     def _start_masks(self, output: SchedulerOutput, drafts: Mapping[str, list[int]]
                      ) -> tuple[dict[str, int], Future] | None:
@@ -244,13 +258,14 @@ class ModelRunner:
         return kept
 
     @torch.inference_mode()
-    def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, list[Span]]:
+    def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None, taps: LayerTaps | None = None
+                      ) -> tuple[torch.Tensor | None, list[Span]]:
         """Run spans of tokens (their blocks allocated) through the model, writing their K/V. Returns the
         final hidden states, [rows, hidden], and the spans in the order of those rows: rows spans first
         (every token a decode query of its own), then chunks (causal within, over their cached context).
-        `features`: a draft head's second input, a row per token in that order (spec/draft_head.py)."""
-        ordered = [s for s in spans if s.as_rows] + [s for s in spans if not s.as_rows]
+        `features`: a draft head's second input, a row per token in that order (spec/draft_head.py).
+        `taps`: read the residual stream after chosen layers (model/layer_taps.py), at rows in that order."""
+        ordered = _in_row_order(spans)
         input_ids, positions, slots = [], [], []
         for span in ordered:
             count = len(span.token_ids)
@@ -261,6 +276,8 @@ class ModelRunner:
         meta = self._metadata(ordered, slots)
         device = self.device
         extra = {} if features is None else {"features": features}
+        if taps is not None:
+            extra["taps"] = taps
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta,
                             self.kv_caches, **extra)
         return hidden, ordered
@@ -295,6 +312,13 @@ class ModelRunner:
         return self.forward_spans([Span(request, start, request.all_token_ids[start:start + count])])[0]
 
     @torch.inference_mode()
+    def chunk_taps(self, request: Request, count: int, layers: tuple[int, ...]) -> torch.Tensor:
+        """As chunk_hidden, but the pass ends after the last of `layers`: the stream there, [count, layers * hidden]."""
+        start = request.num_computed_tokens
+        taps = LayerTaps(layers, stop=True)
+        self.forward_spans([Span(request, start, request.all_token_ids[start:start + count])], taps=taps)
+        return taps.features()
+
     def chunk_logprobs(self, request: Request, count: int, rows: int = 256) -> torch.Tensor:
         """As chunk_hidden; returns log p(token[i + 1] | ...) for each position i of the chunk that has
         a next token. Logits are taken `rows` rows at a time, so a long chunk never holds [count, vocab]."""
@@ -307,6 +331,25 @@ class ModelRunner:
             pieces.append(torch.log_softmax(logits, dim=-1).gather(1, targets[first:first + len(logits), None])
                           .squeeze(1))
         return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
+
+    def _guard_pieces(self, spans: list[Span]) -> list[TappedPiece]:
+        """The prompt rows of these spans (in row order) the semantic guard still has to pool."""
+        pieces, offset, untapped = [], 0, []
+        bs = self.block_size
+        for span in spans:
+            request = span.request
+            count = min(len(span.token_ids), request.num_prompt_tokens - span.start) \
+                if self.guard.wants(request, span.start) else 0
+            table_start = span.start - self._skipped(request)
+            if count:
+                blocks = [slot // bs for slot in self._slots(request.block_ids, table_start, table_start + count)]
+                pieces.append(TappedPiece(request, span.start, count, blocks, offset))
+            # a block begun by rows not tapped (a decode's) holds no sum: a later prefix-cache hit must not read one
+            untapped += [request.block_ids[(table_start + k) // bs] for k in range(count, len(span.token_ids))
+                         if (table_start + k) % bs == 0]
+            offset += len(span.token_ids)
+        self.guard.forget_blocks(untapped)
+        return pieces
 
     def _skipped(self, request: Request) -> int:
         """Positions a KV window freed from the middle of the request's block table."""
@@ -367,3 +410,8 @@ class ModelRunner:
                 self._generators[request.request_id] = generator
         output = request.output_token_ids + drafts if drafts else request.output_token_ids
         return sampling_row(params, request.prompt_token_ids, output, request.eos_token_ids, generator)
+
+
+def _in_row_order(spans: list[Span]) -> list[Span]:
+    """Rows spans first (every token a decode query of its own), then chunks: the batch's row order."""
+    return [s for s in spans if s.as_rows] + [s for s in spans if not s.as_rows]

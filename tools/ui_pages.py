@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -32,6 +30,7 @@ import httpx  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
 from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
+from llmaccel.bench.paired import markdown_table, paired_summary, rotated  # noqa: E402
 from llmaccel.platform import describe  # noqa: E402
 from tests.browser import headless_chromium  # noqa: E402
 from tests.live_server import wait_until  # noqa: E402
@@ -143,45 +142,21 @@ def overhead(args: argparse.Namespace) -> int:
             bench(url, args.model, 64, 64, 32, "warm-up")
             with headless_chromium() as driver:
                 for round_index in range(args.rounds):
-                    for arm in ARMS[round_index % len(ARMS):] + ARMS[:round_index % len(ARMS)]:
+                    for arm in rotated(ARMS, round_index):
                         tokens_per_s, polls = one_arm(arm, url, driver, args)
                         runs[arm].append(tokens_per_s)
                         print(f"round {round_index + 1} {arm}: {tokens_per_s:.1f} tok/s ({polls} polls)",
                               file=sys.stderr)
         finally:
             stop_server(proc)
-    summary = summarize(runs)
-    print("| page | output tok/s (median) | against no page | paired by round [95% CI] | runs |\n"
-          "|---|---|---|---|---|")
-    for arm, values in runs.items():
-        row = summary.get(arm)
-        against = "" if row is None else (f"{row['ratio']:.3f}x | {row['paired']:.3f}x "
-                                          f"[{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}]")
-        print(f"| {arm} | {statistics.median(values):.1f} | {against or ' | '} | "
-              f"{', '.join(f'{v:.0f}' for v in values)} |")
+    summary = paired_summary(runs, "no page")
+    print(markdown_table(runs, summary, "no page", "output tok/s"))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps({
             "machine": describe(), "model": args.model, "concurrency": 64, "num_prompts": 64,
             "output_len": args.output_len, "runs": runs, "against_no_page": summary}, indent=1))
     return 0
-
-
-def summarize(runs: dict[str, list[float]], resamples: int = 5000) -> dict[str, dict]:
-    """Each arm against no page: the ratio of medians, the median of each round's own ratio, and a
-    bootstrap 95% interval of that median (seeded, so the same runs give the same figures). The
-    interval of 'no page again' is the noise: an arm inside it costs nothing this run can resolve."""
-    rng = random.Random(0)
-    base = runs["no page"]
-    out = {}
-    for arm in ARMS[1:]:
-        ratios = [a / b for a, b in zip(runs[arm], base, strict=True)]
-        boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-        out[arm] = {"ratio": statistics.median(runs[arm]) / statistics.median(base),
-                    "paired": statistics.median(ratios),
-                    "ci95": [boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]],
-                    "per_round": [min(ratios), max(ratios)]}
-    return out
 
 
 def main() -> int:

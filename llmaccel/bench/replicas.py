@@ -55,10 +55,11 @@ def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: s
             kv_memory: str | None = None):
     from llmaccel.bench.compare import free_port, start_server
 
-    # --no-input-filter: each turn sends the model's own replies back as history, and a reply that happens to
-    # match a rule (a 135M model's text once matched 'jailbreak.persona') would end that run; this measures routing
+    # --no-input-filter, --semantic-guard off: each turn sends the model's own replies back as history, and a
+    # reply that happens to match a rule (a 135M model's text once matched 'jailbreak.persona') or the guard
+    # would end that run; this measures routing
     command = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model, "--no-result-cache",
-               "--no-input-filter", "--kv-cache-memory", kv_memory or args.kv_cache_memory,
+               "--no-input-filter", "--semantic-guard", "off", "--kv-cache-memory", kv_memory or args.kv_cache_memory,
                "--max-num-seqs", str(args.max_num_seqs * (args.replicas if replicas is None else 1))]
     if replicas is not None:
         command += ["--replicas", str(replicas)]

@@ -5,7 +5,8 @@ Latency: prompts cut or padded to each length (ordinary requests and jailbreaks,
 check timed alone, after a warm-up; percentiles per length. Detection: the share of each jailbreak
 set the filter blocks (recall) and of each ordinary set it blocks (false positives). The default
 rules were written against the even-numbered half of `inthewild`, so its odd half is reported on its
-own as held-out data.
+own as held-out data. With a semantic guard (`--semantic-guard`, on by default): its held-out rows, the
+trade-off curve over its threshold and the latency of a separate pass (bench/semantic_guard.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print up to N missed jailbreaks and N false positives, for rule writing")
     parser.add_argument("--result-json", type=Path, help="write every figure to this JSON file")
     parser.add_argument("--plot", type=Path, metavar="F.png", help="plot latency percentiles against prompt length")
+    parser.add_argument("--semantic-guard", default="default", metavar="F",
+                        help="also measure the semantic input guard: a classifier file, 'default' (the one for "
+                             "--model) or 'off'. Its rows use every labelled set, each scored held out")
+    parser.add_argument("--model", default="smollm2-135m", help="the model whose hidden states the guard reads")
+    parser.add_argument("--guard-lengths", default="64,256,1024,2048",
+                        help="prompt lengths in tokens for the separate pass's latency, comma-separated")
+    parser.add_argument("--guard-samples", type=int, default=30, help="prompts timed per length")
+    parser.add_argument("--guard-plot", type=Path, metavar="F.png",
+                        help="plot recall against false positives over the semantic guard's threshold")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -144,9 +154,22 @@ def run(args: argparse.Namespace) -> int:
     benign = measure_detection(check, benign_sets, False, args.show)
     print(f"input filter, rules: {', '.join(sources)}")
     print(format_report(latency, jailbreak, benign))
+    semantic = None
+    if args.semantic_guard != "off":
+        from llmaccel.bench import semantic_guard
+
+        guard_lengths = [int(x) for x in args.guard_lengths.split(",") if x.strip()]
+        semantic = semantic_guard.evaluate(args.model, args.semantic_guard, check, guard_lengths, args.guard_samples)
+        print(f"\nsemantic guard: {semantic['classifier']['file']} on {args.model}")
+        print(semantic_guard.format_rows(semantic))
+        if args.guard_plot:
+            semantic_guard.plot_tradeoff(semantic, args.guard_plot)
     if args.result_json:
-        args.result_json.write_text(json.dumps({"rules": sources, "latency": latency, "jailbreak": jailbreak,
-                                                "benign": benign}, indent=2) + "\n")
+        from llmaccel.platform import describe
+
+        args.result_json.write_text(json.dumps({"machine": describe(), "rules": sources, "latency": latency,
+                                                "jailbreak": jailbreak, "benign": benign, "semantic_guard": semantic},
+                                               indent=2) + "\n")
     if args.plot:
         plot_latency(latency, args.plot)
     return 0

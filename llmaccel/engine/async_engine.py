@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from llmaccel.engine.engine import LLMEngine, StepStats
 from llmaccel.engine.request_stream import RequestStream
-from llmaccel.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from llmaccel.errors import ContentFilterError, EngineDeadError, EngineOverloadedError, RequestFailedError
 from llmaccel.outputs import RequestOutput
 from llmaccel.sampling_params import SamplingParams
 
@@ -208,6 +208,9 @@ class AsyncEngine:
         for output in outputs:
             if output.error is not None:  # the engine failed this request alone: its stream raises
                 self._deliver_to(output.request_id, RequestFailedError(output.request_id))
+            elif output.blocked is not None:  # the semantic guard ended it before its first token
+                self._deliver_to(output.request_id, ContentFilterError(f"the prompt was blocked: {output.blocked}",
+                                                                       "semantic-guard"))
             else:
                 self._deliver_to(output.request_id, output)
 

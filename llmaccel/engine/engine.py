@@ -12,6 +12,7 @@ import torch
 from llmaccel.bounds import check_token_ids
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
+from llmaccel.engine.guard_stage import Judgement, Verdict, build_guard_stage
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.request_group import RequestGroup, Sample
@@ -135,6 +136,7 @@ class LLMEngine:
             self.scheduler.draft_slots = self.speculation.draft_slots
         self._reference: SequenceScorer | None = None
         self._quantized_checkpoint = saved is not None
+        self.runner.guard = self.guard = build_guard_stage(self, num_blocks)  # the semantic input guard, or None
         machine = describe()
         logger.info("machine: %s, %s cores, features %s%s; dtype %s%s; weight-streaming kernels: %s",
                     machine["cpu"], machine["cores"], ",".join(machine["features"]) or "none",
@@ -340,6 +342,8 @@ class LLMEngine:
             caught_up = bool(drafting) and not self.drafter.steady
             self.speculation.record_step(len(scheduled.scheduled), bool(drafting), num_new_tokens,
                                          time.perf_counter() - began, caught_up=caught_up)
+        for request_id, judgement in results.judged.items():
+            self._judged(request_id, judgement, changed)
         for request_id, exc in failed.items():
             group = self._sample_to_group[request_id]
             if group.error is not None:  # a sibling's failure ended its group already
@@ -380,6 +384,24 @@ class LLMEngine:
         request.grammar.accept(request.output_token_ids[first:])
         if request.grammar.is_finished and not request.is_finished:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def _judged(self, request_id: str, judgement: Judgement, changed: dict[str, RequestGroup]) -> None:
+        """A prompt the semantic guard judged: a blocked one ends (every sample, no token), a flagged one is logged."""
+        if judgement.verdict is Verdict.PASS:
+            return
+        group = self._sample_to_group[request_id]
+        if judgement.verdict is Verdict.FLAG:
+            if self.config.guard.semantic_guard_action == "flag":
+                logger.warning("semantic guard flagged request %s (score %.3f >= %.3f); serving it", group.request_id,
+                               judgement.score, judgement.threshold)
+            return
+        if group.blocked is None:
+            logger.warning("semantic guard blocked request %s (score %.3f >= %.3f)", group.request_id,
+                           judgement.score, judgement.threshold)
+            group.blocked = judgement.describe()
+        for sample in group.samples:
+            self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_FILTERED)
+        changed[group.request_id] = group
 
     def _fail_group(self, group: RequestGroup, exc: BaseException) -> None:
         """End every sample of a user request with finish reason "error" and free its blocks."""

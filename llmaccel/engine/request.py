@@ -16,11 +16,13 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # the engine failed on this request (a bug); the others went on
+    FINISHED_FILTERED = "content_filter"  # the semantic input guard blocked its prompt before its first token
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+                        RequestStatus.FINISHED_FILTERED)
 
 
 class Request:
@@ -54,6 +56,7 @@ class Request:
         # with params.prompt_logprobs: filled by prefill, position by position (a recompute rewrites the same)
         self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
             else None
+        self.guard_judgement = None  # with a semantic guard: its prompt's Judgement (engine/guard_stage.py)
         self.grammar = None  # with structured outputs: its GrammarMatcher (structured/compiler.py)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 

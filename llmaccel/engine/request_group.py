@@ -43,6 +43,7 @@ class RequestGroup:
     samples: list[Sample]
     metrics: RequestMetrics
     error: str | None = None  # why the engine failed it (finish reason "error"), else None
+    blocked: str | None = None  # why the semantic guard blocked it (finish reason "content_filter"), else None
 
     @property
     def finished(self) -> bool:
@@ -67,7 +68,13 @@ class RequestGroup:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.finished, metrics=self.metrics,
                              num_cached_tokens=self.samples[0].request.num_cached_tokens, error=self.error,
+                             blocked=self.blocked, guard=_judgement(self.samples[0].request),
                              prompt_logprobs=_copy(self.samples[0].request.prompt_logprobs))
+
+
+def _judgement(request: Request) -> tuple[str, float] | None:
+    judgement = request.guard_judgement
+    return (judgement.verdict.value, judgement.score) if judgement is not None else None
 
 
 def _copy(items: list | None) -> list | None:

@@ -55,6 +55,21 @@ class SequenceScorer:
         self._run(token_ids, lambda request, count: pieces.append(self.runner.chunk_hidden(request, count)))
         return torch.cat(pieces)
 
+    def pooled_states(self, token_ids: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean over positions, last position) of the residual stream after `layers`, [layers * hidden]
+        each: a pass that stops at the last of them (the semantic guard's separate pass, and its training)."""
+        total: torch.Tensor | None = None
+        last: torch.Tensor | None = None
+
+        def on_chunk(request: Request, count: int) -> None:
+            nonlocal total, last
+            rows = self.runner.chunk_taps(request, count, layers)
+            total = rows.sum(0) if total is None else total + rows.sum(0)
+            last = rows[-1]
+
+        self._run(token_ids, on_chunk)
+        return total / len(token_ids), last
+
     def _run(self, token_ids: list[int], on_chunk) -> None:
         request = Request("score", token_ids, SamplingParams(max_tokens=1))
         chunk = self.kv_cache.max_chunk or len(token_ids)

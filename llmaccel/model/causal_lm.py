@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
+from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
@@ -161,14 +162,24 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        if self.decode_stack is not None:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], taps: LayerTaps | None = None
+                ) -> torch.Tensor | None:
+        """The final normed hidden states, [tokens, hidden]. `taps` read the stream after chosen layers
+        (the decode stack, which keeps it inside C++, is then not used); with `taps.stop` the pass ends
+        after the last of them and returns None."""
+        if self.decode_stack is not None and taps is None:
             normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
             if normed is not None:
                 return normed
+        if taps is not None and taps.last >= len(self.layers):
+            raise ValueError(f"layer {taps.last} tapped, but the model has {len(self.layers)} layers")
         hidden, residual = self.embed(input_ids, positions), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)
+            if taps is not None and i in taps.layers:
+                taps.take(hidden, residual)
+                if taps.stop and i == taps.last:
+                    return None
         return self.norm.add_forward(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from llmaccel.errors import (
 from llmaccel.safety.output_guard import worst_verdict
 from llmaccel.server import protocol as p
 from llmaccel.server.errors import APIError
+from llmaccel.server.job import prime_streams
 from llmaccel.server.serving import OpenAIServing, error_info
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
     try:
         job = serving.submit(body, model)
     except ContentFilterError as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="content_filter", rejected="content_filter") from None
+        raise _filtered(exc, prompt_param) from None
     except EngineOverloadedError as exc:
         raise _failed(exc) from None
     except EngineDeadError as exc:
@@ -63,6 +64,10 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
     if body.stream:
         try:  # a cascade decides before the first byte, so its route can go in a header
             route = await serving.routes(job)
+            if serving.guard_blocks:  # so does the semantic guard, with the first output
+                await prime_streams(job)
+        except ContentFilterError as exc:
+            raise _filtered(exc, prompt_param) from None
         except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
             raise _failed(exc) from None
         if route is not None:
@@ -80,6 +85,8 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
         return Response(status_code=499)
     try:
         response = task.result()
+    except ContentFilterError as exc:
+        raise _filtered(exc, prompt_param) from None
     except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
         raise _failed(exc) from None
     body, headers = response.model_dump(), dict(cache_header)
@@ -100,6 +107,11 @@ def _failed(exc: Exception) -> APIError:
     info = error_info(exc)
     status = 504 if isinstance(exc, RequestTimeoutError) else 500 if isinstance(exc, RequestFailedError) else 503
     return APIError(status, info.message, info.type, code=info.code)
+
+
+def _filtered(exc: ContentFilterError, param: str) -> APIError:
+    """400 content_filter: the input filter's rules refused the prompt, or the semantic guard did."""
+    return APIError(400, str(exc), param=param, code="content_filter", rejected="content_filter")
 
 
 def _limit_text(config: ServerConfig, limit: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from llmaccel.engine.request_stream import RequestStream
-from llmaccel.errors import RequestTimeoutError
+from llmaccel.errors import ContentFilterError, RequestTimeoutError
 from llmaccel.outputs import RequestOutput
 from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
@@ -26,6 +26,53 @@ from llmaccel.server.tools import ToolPlan
 
 AnyRequest = p.ChatCompletionRequest | p.CompletionRequest
 Stream = RequestStream | ReplayStream | FlightSubscriber | CascadeStream
+
+
+class PrimedStream:
+    """A stream whose first output has been read ahead (`prime`), then yielded first again: a streamed
+    answer's status line waits for the semantic guard's verdict, which comes with the first output."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self._outputs = stream.__aiter__()
+        self._first: RequestOutput | None = None
+
+    async def prime(self) -> None:
+        self._first = await anext(self._outputs)  # the stream's error (a blocked prompt's) raises here
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for output in self._outputs:
+            yield output
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+async def prime_streams(job: Job) -> None:
+    """Read each stream's first output ahead, so a blocked prompt is refused before the status line;
+    if one raises, the job ends (every stream closed, its trackers told) and the error propagates."""
+    primed = [PrimedStream(stream) for stream in job.streams]
+    job.streams = primed
+    try:
+        for stream in primed:  # one after another: they run in the engine together all the same
+            await stream.prime()
+    except BaseException as exc:
+        ended = ("content_filter" if isinstance(exc, ContentFilterError) else
+                 "timeout" if isinstance(exc, RequestTimeoutError) else
+                 "aborted" if isinstance(exc, asyncio.CancelledError) else "error")
+        for tracker in job.trackers:
+            tracker.finish(ended)
+        for stream in primed:
+            stream.close()
+        if job.on_done is not None:
+            job.on_done(0)
+        raise
 
 
 @dataclass
@@ -63,6 +110,9 @@ def outcome(trackers: list[RequestTracker]) -> Iterator[None]:
         outcome = "ok"
     except RequestTimeoutError:
         outcome = "timeout"
+        raise
+    except ContentFilterError:
+        outcome = "content_filter"  # the semantic guard ended it before its first token
         raise
     except Exception:
         outcome = "error"

@@ -81,6 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shipped with llmaccel, used when none is given); prompts a `block` rule "
                              "matches get HTTP 400 with code content_filter (docs/safety.md)")
     parser.add_argument("--no-input-filter", action="store_true", help="check prompts against no safety rules")
+    parser.add_argument("--semantic-guard", default="default", metavar="F",
+                        help="the semantic input guard: a classifier on the model's own hidden states that judges "
+                             "each prompt at the end of its prefill, before its first token (docs/safety.md). F: a "
+                             "classifier file from `llmaccel safety train-guard`; 'default': the one shipped or "
+                             "trained for --model (none: the rules alone, logged); 'off': no semantic guard")
+    parser.add_argument("--semantic-guard-action", choices=("block", "flag", "count"), default="block",
+                        help="what a prompt at or over the threshold gets: block (HTTP 400 content_filter, no token "
+                             "generated), flag (served, counted and logged) or count (served and counted)")
+    parser.add_argument("--semantic-guard-threshold", type=float, metavar="P",
+                        help="the probability at or over which a prompt is judged an attack (default: the "
+                             "classifier's own, chosen for <= 1%% false positives with the rules on held-out sets)")
     parser.add_argument("--max-body-size", default="4MiB", help="larger request bodies get HTTP 413")
     parser.add_argument("--max-prompt-chars", type=int, default=65536,
                         help="prompts longer than this many characters (all messages together) get HTTP 400; "
@@ -128,11 +139,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "streamed or not, starts after the decision")
 
 
+def guard_options(args: argparse.Namespace) -> dict:
+    """The engine's semantic-guard options from --semantic-guard*."""
+    return dict(semantic_guard=None if args.semantic_guard == "off" else args.semantic_guard,
+                semantic_guard_action=args.semantic_guard_action,
+                semantic_guard_threshold=args.semantic_guard_threshold)
+
+
 def small_engine_options(engine_options: dict) -> dict:
-    """A cascade's small model runs where and as the model does, unquantized and without speculation."""
+    """A cascade's small model runs where and as the model does, unquantized and without speculation. It
+    answers first, so it judges prompts with a semantic guard too: its own classifier (one is trained per
+    model, so a file given for the large model does not fit it), found as 'default' finds one."""
     shared = ("device", "dtype", "kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefix_caching",
-              "max_num_seqs", "max_num_batched_tokens")
-    return {name: engine_options[name] for name in shared if name in engine_options}
+              "max_num_seqs", "max_num_batched_tokens", "semantic_guard_action")
+    options = {name: engine_options[name] for name in shared if name in engine_options}
+    if engine_options.get("semantic_guard") is not None:
+        options["semantic_guard"] = "default"
+    return options
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

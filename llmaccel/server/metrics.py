@@ -131,6 +131,10 @@ class ServerMetrics:
         """Export speculative decoding's counters (drafts proposed and kept), read at scrape time."""
         self.registry.register(_SpeculationCollector(stats))
 
+    def bind_semantic_guard(self, counts: Callable[[], dict[str, int]]) -> None:
+        """The semantic input guard's verdicts (pass, flag, block), read at scrape time."""
+        self.registry.register(_GuardCollector(counts))
+
     def bind_cascade_small(self, running: Callable[[], float], waiting: Callable[[], float],
                            kv_usage: Callable[[], float]) -> None:
         """A cascade's small engine: its batch, queue and KV use, read at scrape time."""
@@ -253,6 +257,19 @@ class _PrefixCacheCollector:
                                   value=stats.queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "KV reused, not computed).", value=stats.hits)
+
+
+class _GuardCollector:
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self):
+        family = CounterMetricFamily(PREFIX + "semantic_guard_verdicts", "Prompts the semantic input guard judged, "
+                                     "by verdict (block: ended before its first token; flag: at or over the "
+                                     "threshold and served).", labels=["verdict"])
+        for verdict, count in self.counts().items():
+            family.add_metric([verdict], count)
+        yield family
 
 
 class _SpeculationCollector:

@@ -77,6 +77,13 @@ class OpenAIServing:
         self._retry_ids = itertools.count()
         self._flights: dict[str, SharedFlight] = {}
 
+    @property
+    def guard_blocks(self) -> bool:
+        """Whether the engine's semantic guard may end a request before its first token (a streamed
+        answer then waits for the first output before its status line)."""
+        guard = self.engine.engine.guard
+        return guard is not None and guard.action == "block"
+
     # ---- admission --------------------------------------------------------------------------------
     def render_chat(self, messages: list[p.Message], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: ToolPlan | None = None) -> str:

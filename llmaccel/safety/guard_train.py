@@ -1,0 +1,260 @@
+"""Training and honest evaluation of the semantic input guard (`llmaccel safety train-guard`).
+
+Features: every prompt of the labelled sets (safety/prompt_sets.py) as a one-message chat, rendered by
+the model's chat template as the server renders it, through a pass of the served model that stops
+after the deepest pooled layer (engine/scoring.py `pooled_states`); cached per model, layer and set.
+
+Evaluation holds whole sets out: each set in turn is scored by a classifier trained on all the other
+sets, so every score is one the classifier earned on a collection it never saw. Sets share templates
+(GPTFuzzer's seeds are jailbreakchat prompts that the in-the-wild set also collected), so a training
+prompt that is a near duplicate of any held-out prompt (word 5-gram Jaccard > 0.5) is dropped from
+that fold too. The threshold is the lowest at which the held-out false positives, with the rules' own,
+stay within the target; the shipped classifier is then fit on every set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmaccel.safety.prompt_sets import BENIGN_SETS, JAILBREAK_SETS, load_prompt_set
+from llmaccel.safety.semantic_guard import GuardClassifier, render_prompt
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMPT_CHARS = 8000  # longer prompts are cut before rendering: training time, not a serving limit
+NEAR_DUPLICATE = 0.5
+
+
+@dataclass(frozen=True)
+class LabelledFeatures:
+    name: str
+    is_attack: bool
+    texts: list[str]
+    mean: torch.Tensor  # [prompts, layers * hidden] float32
+    last: torch.Tensor
+
+
+def extract(engine, model: str, layers: tuple[int, ...], names: list[str], cache_dir: Path | None = None,
+            progress: bool = True) -> list[LabelledFeatures]:
+    """The pooled features of every prompt of the named sets on `engine`'s model (cached on disk)."""
+    from tqdm import tqdm
+
+    from llmaccel.config import default_cache_dir
+
+    root = (cache_dir or default_cache_dir()) / "guard-features"
+    key = hashlib.sha256(f"{model}|{engine.config.model.dtype}|{layers}".encode()).hexdigest()[:16]
+    out = []
+    for name in names:
+        texts = load_prompt_set(name, cache_dir)
+        target = root / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', model)}-{key}-{name}.pt"
+        digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()
+        stored = torch.load(target) if target.is_file() else None
+        if stored is None or stored["digest"] != digest:
+            means, lasts = [], []
+            for text in tqdm(texts, desc=f"features: {name}", disable=not progress, unit="prompt"):
+                ids = render_prompt(engine.tokenizer, text[:MAX_PROMPT_CHARS])[:engine.max_model_len]
+                mean, last = engine.scorer.pooled_states(ids, layers)
+                means.append(mean)
+                lasts.append(last)
+            stored = {"digest": digest, "mean": torch.stack(means), "last": torch.stack(lasts)}
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(stored, target)
+        out.append(LabelledFeatures(name, name in JAILBREAK_SETS, texts, stored["mean"], stored["last"]))
+    return out
+
+
+# ---- the classifier -------------------------------------------------------------------------------
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-2, steps: int = 200
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(mean, scale, weight, bias) of an L2-regularized logistic regression on standardized features,
+    each class weighted to half the loss (the sets are unbalanced), fit by L-BFGS."""
+    x = x.double()
+    mean, scale = x.mean(0), x.std(0).clamp_min(1e-6)
+    z = (x - mean) / scale
+    target = y.double()
+    weights = torch.where(target > 0, 0.5 / target.sum(), 0.5 / (1 - target).sum())
+    w = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (weights * torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, target, reduction="none")
+                ).sum() + 0.5 * l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return mean.float(), scale.float(), w.detach().float(), float(b.detach())
+
+
+def _shingles(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + 5]) for i in range(max(1, len(words) - 4))}
+
+
+def near_duplicates(sets: list[LabelledFeatures]) -> dict[str, set[tuple[str, int]]]:
+    """For each set: the (set, index) prompts of the other sets that nearly duplicate one of its own."""
+    shingles = {s.name: [_shingles(t) for t in s.texts] for s in sets}
+    out: dict[str, set[tuple[str, int]]] = {s.name: set() for s in sets}
+    names = [s.name for s in sets]
+    for a_index, a in enumerate(names):
+        for b in names[a_index + 1:]:
+            for i, x in enumerate(shingles[a]):
+                for j, y in enumerate(shingles[b]):
+                    if x and y and len(x & y) > NEAR_DUPLICATE * len(x | y):
+                        out[a].add((b, j))
+                        out[b].add((a, i))
+    return out
+
+
+def held_out_scores(sets: list[LabelledFeatures], pooling: str, l2: float = 1e-2) -> dict[str, torch.Tensor]:
+    """Each set's scores from a classifier trained on every other set, less their near duplicates."""
+    duplicates = near_duplicates(sets)
+    out = {}
+    for held in sets:
+        xs, ys = [], []
+        for other in sets:
+            if other.name == held.name:
+                continue
+            keep = [i for i in range(len(other.texts)) if (other.name, i) not in duplicates[held.name]]
+            xs.append(_features(other, pooling)[keep])
+            ys.append(torch.full((len(keep),), float(other.is_attack)))
+        mean, scale, weight, bias = fit_logistic(torch.cat(xs), torch.cat(ys), l2)
+        out[held.name] = torch.sigmoid(((_features(held, pooling) - mean) / scale) @ weight + bias)
+    return out
+
+
+def _features(s: LabelledFeatures, pooling: str) -> torch.Tensor:
+    return torch.cat([s.mean, s.last], dim=-1) if pooling == "mean+last" else s.mean
+
+
+def choose_threshold(sets: list[LabelledFeatures], scores: dict[str, torch.Tensor],
+                     rule_hits: dict[str, list[bool]], max_false_positives: float) -> float:
+    """The lowest threshold at which rules + semantic stage block at most `max_false_positives` of the
+    ordinary prompts (held-out scores)."""
+    benign = [s for s in sets if not s.is_attack]
+    total = sum(len(s.texts) for s in benign)
+    candidates = sorted({float(v) for s in benign for v in scores[s.name]} | {0.5}, reverse=True)
+    best = 0.999
+    for threshold in candidates:
+        blocked = sum(int(hit or score >= threshold) for s in benign
+                      for hit, score in zip(rule_hits[s.name], scores[s.name].tolist(), strict=True))
+        if blocked > max_false_positives * total:
+            break
+        best = threshold
+    return min(max(best, 1e-4), 0.9999)
+
+
+def train_classifier(sets: list[LabelledFeatures], model: str, architecture: str, hidden_size: int,
+                     num_layers: int, layers: tuple[int, ...], pooling: str, threshold: float,
+                     probe: torch.Tensor, l2: float = 1e-2) -> GuardClassifier:
+    x = torch.cat([_features(s, pooling) for s in sets])
+    y = torch.cat([torch.full((len(s.texts),), float(s.is_attack)) for s in sets])
+    mean, scale, weight, bias = fit_logistic(x, y, l2)
+    return GuardClassifier(model=model, architecture=architecture, hidden_size=hidden_size, num_layers=num_layers,
+                           layers=layers, pooling=pooling, mean=mean, scale=scale, weight=weight, bias=bias,
+                           threshold=threshold, probe=probe, sources=tuple(s.name for s in sets))
+
+
+ALL_SETS = [*JAILBREAK_SETS, *BENIGN_SETS]
+
+
+# ---- llmaccel safety train-guard -----------------------------------------------------------------
+
+DEFAULT_LAYERS = (12,)  # chosen by held-out scans of single layers and triples (docs/safety.md)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="the model to train the classifier for: an alias, "
+                        "an HF directory or a hub id in the local cache (its hidden states are the features)")
+    parser.add_argument("--output", type=Path, help="the classifier file to write (default: the cache directory's "
+                        "guards/, where `serve --semantic-guard default` looks for this model's)")
+    parser.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)),
+                        help="0-based layers whose output stream is pooled, comma-separated (the pass stops after "
+                             "the last)")
+    parser.add_argument("--pooling", choices=("mean", "mean+last"), default="mean",
+                        help="mean over every prompt token, or that and the last token's stream side by side")
+    parser.add_argument("--max-false-positives", type=float, default=0.01,
+                        help="the threshold is the lowest at which rules + classifier block at most this fraction "
+                             "of the ordinary prompts, on scores from classifiers that never saw their set")
+    parser.add_argument("--l2", type=float, default=1e-2, help="L2 penalty of the logistic regression")
+    parser.add_argument("--sets", default=",".join(ALL_SETS), help="the labelled sets to use, comma-separated")
+    parser.add_argument("--report", type=Path, help="also write the held-out evaluation as JSON here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype, as served (auto, float32, bfloat16)")
+
+
+def run(args) -> int:
+    import json
+
+    from llmaccel.config import EngineConfig
+    from llmaccel.engine.engine import LLMEngine
+    from llmaccel.safety.input_filter import InputFilter
+    from llmaccel.safety.rules import load_rules
+    from llmaccel.safety.semantic_guard import probe_features, trained_guard_path
+
+    layers = tuple(sorted({int(x) for x in args.layers.split(",") if x.strip()}))
+    names = [n.strip() for n in args.sets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_SETS]
+    if unknown:
+        raise ValueError(f"unknown prompt set {unknown[0]!r}; choose from {', '.join(ALL_SETS)}")
+    if not any(n in JAILBREAK_SETS for n in names) or not any(n in BENIGN_SETS for n in names):
+        raise ValueError("--sets needs at least one jailbreak set and one ordinary set")
+    engine = LLMEngine(EngineConfig.create(args.model, device=args.device, dtype=args.dtype, semantic_guard=None))
+    if layers[-1] >= engine.spec.num_layers:
+        raise ValueError(f"--layers {args.layers}: {args.model} has {engine.spec.num_layers} layers (0-based)")
+    sets = extract(engine, args.model, layers, names)
+    check = InputFilter(load_rules(["default"])).check
+    rule_hits = {s.name: [check(t).blocked_by is not None for t in s.texts] for s in sets}
+    scores = held_out_scores(sets, args.pooling, args.l2)
+    threshold = choose_threshold(sets, scores, rule_hits, args.max_false_positives)
+    report = evaluation(sets, scores, rule_hits, threshold)
+    probe = probe_features(engine.scorer, engine.tokenizer, layers, args.pooling)
+    spec = engine.spec
+    classifier = train_classifier(sets, args.model, spec.architecture, spec.hidden_size, spec.num_layers, layers,
+                                  args.pooling, threshold, probe, args.l2)
+    output = args.output or trained_guard_path(args.model)
+    classifier.save(output, {"held_out": report["totals"]})
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    for row in report["sets"]:
+        print(f"{row['set']:<22} {row['prompts']:>5}  rules {row['rules']:6.1%}  semantic {row['semantic']:6.1%}  "
+              f"both {row['both']:6.1%}")
+    totals = report["totals"]
+    print(f"threshold {threshold:.4f}: recall {totals['recall_both']:.1%} (rules {totals['recall_rules']:.1%}), "
+          f"false positives {totals['false_positives_both']:.2%} (rules {totals['false_positives_rules']:.2%})")
+    print(f"wrote {output}")
+    return 0
+
+
+def evaluation(sets: list[LabelledFeatures], scores: dict[str, torch.Tensor], rule_hits: dict[str, list[bool]],
+               threshold: float) -> dict:
+    """Per set and in total: the fraction the rules, the semantic stage (held-out scores) and both block."""
+    rows, sums = [], {"attack": [0, 0, 0, 0], "other_attack": [0, 0, 0, 0], "benign": [0, 0, 0, 0]}
+    for s in sets:
+        semantic = [v >= threshold for v in scores[s.name].tolist()]
+        counts = [len(s.texts), sum(rule_hits[s.name]), sum(semantic),
+                  sum(h or v for h, v in zip(rule_hits[s.name], semantic, strict=True))]
+        rows.append({"set": s.name, "attack": s.is_attack, "prompts": counts[0], "rules": counts[1] / counts[0],
+                     "semantic": counts[2] / counts[0], "both": counts[3] / counts[0],
+                     "scores": [round(v, 5) for v in scores[s.name].tolist()]})
+        groups = ["attack", "other_attack"] if s.is_attack and s.name != "inthewild" else \
+            ["attack"] if s.is_attack else ["benign"]
+        for group in groups:
+            sums[group] = [a + b for a, b in zip(sums[group], counts, strict=True)]
+    totals = {"threshold": threshold}
+    for group, key in (("attack", "recall"), ("other_attack", "recall_other"), ("benign", "false_positives")):
+        n, rules, semantic, both = sums[group]
+        if n:
+            totals.update({f"{key}_rules": rules / n, f"{key}_semantic": semantic / n, f"{key}_both": both / n})
+    return {"sets": rows, "totals": totals}

@@ -95,6 +95,10 @@ def serve(model: str, engine_options: dict, config: ServerConfig, cluster: Clust
           log_level: str = "info", access_log: bool = False) -> int:
     """Start the replicas, serve until SIGTERM/SIGINT, stop them; the process exit code."""
     check_supported(config)
+    if engine_options.get("semantic_guard") is not None:  # its verdicts do not cross the replica wire yet
+        logger.warning("--replicas: the semantic input guard is not run by replicas yet; the input filter's rules "
+                       "run alone")
+        engine_options = {**engine_options, "semantic_guard": None}
     EngineConfig.create(model, **engine_options)  # bad flags and paths fail before Ray starts
     resolve_model_path(model)
     try:

@@ -81,7 +81,7 @@ class OpenAIServing:
     def guard_blocks(self) -> bool:
         """Whether the engine's semantic guard may end a request before its first token (a streamed
         answer then waits for the first output before its status line)."""
-        guard = self.engine.engine.guard
+        guard = getattr(self.engine.engine, "guard", None)  # replicas (cluster/remote_engine.py) run none
         return guard is not None and guard.action == "block"
 
     # ---- admission --------------------------------------------------------------------------------

@@ -70,11 +70,13 @@ def test_conversion_is_cached_by_file_hash(tied_dir, tmp_path, tiny_tokenizer):
 
 
 def test_permutation_round_trip():
-    from llmaccel.model.gguf_convert import _unpermute
+    from llmaccel.model.gguf.names import unpermute_rows
     from tests.tiny_gguf import permute
 
     w = np.arange(8 * 3 * 4, dtype=np.float32).reshape(8 * 3, 4)
-    assert np.array_equal(_unpermute(permute(w, 3), 3), w)
+    config = {"num_attention_heads": 3, "num_key_value_heads": 3}
+    assert np.array_equal(unpermute_rows(permute(w, 3), "blk.0.attn_q.weight", config), w)
+    assert np.array_equal(unpermute_rows(w, "blk.0.attn_v.weight", config), w)
 
 
 def test_unpermuted_q_matches_hf_rotary_layout(tied_dir, tmp_path, tiny_tokenizer):
@@ -87,35 +89,50 @@ def test_unpermuted_q_matches_hf_rotary_layout(tied_dir, tmp_path, tiny_tokenize
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0])
 def test_native_load_equals_the_gguf_packages_dequantized_values(tied_dir, tmp_path, tiny_tokenizer, qtype):
-    from llmaccel.model.gguf_native import gguf_quantized_weights
-    from llmaccel.quantization.formats import Int4Weight, Int8Weight
+    """Without llmaccel's kernels (torch's formats) every weight is the dequantized one exactly; repacked for
+    the kernels, the kernel multiplies by the same weights (its identity products, to float32 rounding)."""
+    from llmaccel.model.gguf.names import llama_config
+    from llmaccel.model.gguf.reader import GGUFFile
+    from llmaccel.model.gguf.weights import GGUFWeights
+    from llmaccel.ops.quant_linear import quantized_linear
+    from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight
 
     path = _write(tied_dir, tmp_path, qtype, tiny_tokenizer)
     converted = load_file(str(hf_dir_for(str(path)) / "model.safetensors"))  # via gguf.quants.dequantize
-    native = gguf_quantized_weights(path, json.loads((tied_dir / "config.json").read_text()))
-    assert len(native) == 2 * 7 + 1  # q, k, v, o, gate, up, down in each of 2 layers, and the embedding
-    for name, weight in native.items():
+    file = GGUFFile(path)
+    weights = GGUFWeights(file, llama_config(file))
+    torch_formats, packed = weights.packed(cpu_kernels=False), weights.packed()
+    assert len(torch_formats) == 2 * 7 + 1  # q, k, v, o, gate, up, down in each of 2 layers, and the embedding
+    for name in torch_formats:
+        weight = torch_formats[name]
         assert isinstance(weight, Int8Weight if qtype == Q.Q8_0 else Int4Weight)
         assert weight.group_size == 32
         assert np.array_equal(weight.dequantize().numpy(), converted[name]), name
+        ready = packed[name]
+        assert isinstance(ready, PackedWeight) and ready.layout == ("int8" if qtype == Q.Q8_0 else "int4")
+        kernel = quantized_linear(ready, None, torch.device("cpu")).dequantized().numpy()
+        np.testing.assert_allclose(kernel, converted[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_gguf_q8_0_runs_natively_with_its_own_embedding_table(tied_dir, tmp_path, tiny_tokenizer, monkeypatch):
-    """A Q8_0 file runs on grouped INT8 layers; with --quantize-embedding the Q8_0 embedding is also
-    the tied LM head (one module). Through the float fallback (the kernel's bf16 activations aside,
-    covered in test_quantization) it scores text exactly as the dense, dequantized model does."""
-    from llmaccel.ops import quant_linear
+    """A Q8_0 file runs on grouped INT8 layers; its Q8_0 embedding is looked up in the file's own rows and, tied,
+    is the LM head in the same format. Through torch's float fallback (the kernel's bf16 activations aside,
+    covered in test_quantization) it scores text as the dense, dequantized model does."""
+    from llmaccel.model.gguf.weights import GGUFRows
+    from llmaccel.ops import gemv, quant_linear
     from llmaccel.ops.quant_linear import Int8Linear
 
     monkeypatch.setattr(quant_linear, "int8_kernel_available", lambda device_type="cpu": False)
+    monkeypatch.setattr(quant_linear, "gemv_kernels", lambda: None)
+    monkeypatch.setattr(gemv, "gemv_kernels", lambda: None)
 
     path = _write(tied_dir, tmp_path, Q.Q8_0, tiny_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The quick brown fox", "你好"]
-    llm = LLM(str(path), quantization="gguf", quantize_embedding=True)
+    llm = LLM(str(path), quantization="gguf")
     model = llm.engine.runner.model
-    assert model.lm_head is model.embedding and isinstance(model.embedding, Int8Linear)
-    assert model.embedding.group_size == 32
+    assert isinstance(model.embedding, GGUFRows) and isinstance(model.lm_head, Int8Linear)
+    assert model.lm_head.group_size == 32
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1
     batched = llm.generate(prompts, params)
     assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
@@ -129,7 +146,7 @@ def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, t
 
     path = _write(tied_dir, tmp_path, Q.Q4_1, tiny_tokenizer)
     llm = LLM(str(path), quantization="gguf")
-    assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 2 * 4
+    assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 2 * 4 + 1  # and the head
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The quick brown fox", "你好"]
     batched = llm.generate(prompts, params)
@@ -143,7 +160,10 @@ def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, t
 def test_the_fast_tensor_table_reads_what_the_gguf_package_reads(tied_dir, tmp_path, tiny_tokenizer, qtype):
     """read_tensors walks past the metadata (tokenizer strings, merges, arrays) to the same tensors, with
     the same names, shapes, types and bytes; a file cut short or of another kind is a ValueError."""
-    from llmaccel.model.gguf_tensors import read_tensors
+    from llmaccel.model.gguf.reader import GGUFFile
+
+    def read_tensors(path):
+        return list(GGUFFile(path).tensors.values())
 
     path = _write(tied_dir, tmp_path, qtype, tiny_tokenizer)
     ours, theirs = read_tensors(path), gguf.GGUFReader(str(path)).tensors
@@ -156,7 +176,7 @@ def test_the_fast_tensor_table_reads_what_the_gguf_package_reads(tied_dir, tmp_p
     with pytest.raises(ValueError, match="runs past the end of the file"):
         read_tensors(cut)
     cut.write_bytes(path.read_bytes()[:200])
-    with pytest.raises(ValueError, match="header ends early"):
+    with pytest.raises(ValueError, match="ends early"):
         read_tensors(cut)
     cut.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file"):

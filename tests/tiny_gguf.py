@@ -37,12 +37,26 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
+K_QUANTS = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
-    if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+    if data.ndim == 2 and qtype in K_QUANTS:  # the gguf package writes no K-quants; llmaccel's writer does
+        from llmaccel.model.gguf.quants import quantize_k
+
+        quantized = quantize_k(data, int(qtype))
+        writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+    elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
         quantized = gguf.quants.quantize(data, qtype)
         writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
     else:
         writer.add_tensor(name, data)
+
+
+def _type_for(qtype: gguf.GGMLQuantizationType | dict, gguf_name: str) -> gguf.GGMLQuantizationType:
+    if not isinstance(qtype, dict):
+        return qtype
+    return next((t for suffix, t in qtype.items() if suffix and gguf_name.endswith(suffix)), qtype[""])
 
 
 def write_gpt2_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, config: dict, tokenizer) -> Path:
@@ -72,7 +86,9 @@ def write_gpt2_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType
     return out
 
 
-def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, config: dict, tokenizer) -> Path:
+def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType | dict, config: dict, tokenizer) -> Path:
+    """`qtype`: one type for every matrix, or {gguf tensor name suffix (e.g. "attn_v.weight"): type} with "" as
+    the default (a mixture, as llama.cpp's Q4_K_M)."""
     weights = load_file(str(model_dir / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_block_count(config["num_hidden_layers"])
@@ -100,7 +116,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType, con
             data = permute(data, config["num_attention_heads"])
         elif gguf_name.endswith("attn_k.weight"):
             data = permute(data, config["num_key_value_heads"])
-        _add_tensor(writer, gguf_name, data, qtype)
+        _add_tensor(writer, gguf_name, data, _type_for(qtype, gguf_name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

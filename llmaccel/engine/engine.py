@@ -19,9 +19,8 @@ from llmaccel.engine.request_group import RequestGroup, Sample
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.errors import InvalidRequestError, PromptTooLongError
-from llmaccel.model.gguf_native import native_weights
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.loader import load_checkpoint, resolve_model_path
 from llmaccel.model.registry import model_class
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
@@ -68,6 +67,19 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
         grammars.check(params.structured_outputs)
 
 
+def gguf_tensors(model: str, weights, device: torch.device):
+    """(the file's quantized matrices, its embedding lookups) for --quantization gguf: a GGUF file's own tensors
+    as they are (model/gguf/weights.py); a clear error for any other model."""
+    packed = getattr(weights, "packed", None)
+    if packed is None:
+        path = resolve_model_path(model)
+        if path.suffix.lower() == ".gguf":
+            raise ValueError(f"--quantization gguf runs the quantized tensors of llama-architecture GGUF files; "
+                             f"{path.name} is read through a converted copy: use int8 or int4")
+        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
+    return packed(cpu_kernels=device.type == "cpu"), weights.table
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
         self.config = config
@@ -105,7 +117,7 @@ class LLMEngine:
         self.max_model_len = min(limits)
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_token * block_size
-        quantization, ready = config.model.quantization, None
+        quantization, ready, tables = config.model.quantization, None, None
         saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
         if saved is not None:
             if quantization not in (None, saved[0]):
@@ -113,11 +125,11 @@ class LLMEngine:
                                  f"{quantization}")
             quantization, ready = None, saved[1]
         elif quantization == "gguf":
-            quantization, ready = None, native_weights(config.model.model, self.spec, config.model.quantize_embedding)
+            quantization, ready, tables = None, *gguf_tensors(config.model.model, checkpoint.weights, self.device)
         model = model_class(self.spec.architecture)(
             self.spec, checkpoint.weights, self.dtype, self.device, max_positions=self.max_model_len,
             use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
-            prequantized=ready, quantize_embedding=config.model.quantize_embedding)
+            prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables)
         del checkpoint
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,

@@ -11,7 +11,7 @@ the rows that are sampled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -22,29 +22,50 @@ from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, b
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
+from llmaccel.ops.kquant_linear import ConcatLinear
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
-from llmaccel.quantization.formats import Int4Weight, Int8Weight, concat_weights, quantize_int8, same_format
+from llmaccel.quantization.formats import (
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    concat_weights,
+    quantize_int8,
+    same_format,
+)
+
+Ready = Int4Weight | Int8Weight | PackedWeight
 
 
 class WeightLoader:
     """Named checkpoint tensors, cast and placed (a missing one is an error naming it), and the projections
     built from them: dense, quantized at load (`quantization`), or the checkpoint's own quantized weights
-    (`prequantized`, by tensor name) used as they are."""
+    (`prequantized`, by tensor name; a Mapping that may build each when asked, and give None for one it
+    cannot) used as they are. `tables`: the checkpoint's own embedding lookups (a GGUF file's quantized rows)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  quantization: str | None = None, group_size: int | None = None,
-                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None) -> None:
+                 prequantized: Mapping[str, Ready | None] | None = None,
+                 tables: Callable[[str], nn.Module | None] | None = None) -> None:
         self.weights, self.dtype, self.device = weights, dtype, device
         self.quantization, self.group_size = quantization, group_size
         self.prequantized = prequantized or {}
+        self.tables = tables
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights or name in self.prequantized
 
     def __call__(self, name: str) -> torch.Tensor:
+        return self.stored(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The named tensor as the checkpoint stores it (after the family's layout fix), on the CPU."""
         if name not in self.weights:
             raise CorruptCheckpointError(f"checkpoint has no tensor {name!r}")
-        return self.prepare(name, self.weights[name]).to(device=self.device, dtype=self.dtype).contiguous()
+        return self.prepare(name, self.weights[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        reader = getattr(self.weights, "shape", None)
+        return tuple(reader(name)) if callable(reader) else tuple(self.weights[name].shape)
 
     def prepare(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A family's own layout fix (GPT-2 transposes its Conv1D weights); as stored by default."""
@@ -54,11 +75,35 @@ class WeightLoader:
         return torch.cat([self(n) for n in names], dim=0)
 
     def linear(self, names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
-        """One projection from the named weights stacked (q, k and v into one matmul, say)."""
+        """One projection from the named weights stacked (q, k and v into one matmul, say). Parts the checkpoint
+        holds in different quantized formats (a GGUF file's q and k in Q4_K, its v in Q6_K) stay apart, each
+        run by its own kernel, in one ConcatLinear."""
         ready = [self.prequantized.get(n) for n in names]
         if all(w is not None for w in ready) and same_format(ready):
             return quantized_linear(concat_weights(ready), bias, self.device)
+        if any(w is not None for w in ready):
+            parts = [quantized_linear(w, None, self.device) if w is not None else self.dense([n], None, name)
+                     for n, w in zip(names, ready, strict=True)]
+            return ConcatLinear(parts, bias)
+        return self.dense(names, bias, name)
+
+    def dense(self, names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
+        """A dense (or load-time quantized) projection. In a float32 CPU model, bfloat16 / float16 checkpoint
+        weights stay in their dtype (half-precision panels, widened as they are read: model/layers.Linear)."""
+        stored = [self.stored(n) for n in names]
+        if (self.quantization is None and self.dtype == torch.float32 and self.device.type == "cpu"
+                and len({t.dtype for t in stored}) == 1 and stored[0].dtype in (torch.bfloat16, torch.float16)):
+            return Linear(torch.cat(stored, dim=0).contiguous(), bias, keep_half=True)
         return build_linear(self.cat(names), bias, self.quantization, self.group_size, name)
+
+    def head(self, name: str) -> nn.Module:
+        """The LM head from the named matrix: the checkpoint's own quantized format where it has one."""
+        ready = self.prequantized.get(name)
+        return quantized_linear(ready, None, self.device) if ready is not None else self.dense([name], None, name)
+
+    def table(self, name: str) -> nn.Module | None:
+        """The checkpoint's own lookup for the named embedding table, or None where it is to be built here."""
+        return self.tables(name) if self.tables is not None else None
 
     def int8_table(self, name: str) -> nn.Module:
         ready = self.prequantized.get(name)
@@ -91,16 +136,16 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernel: bool | None = None,
                  quantization: str | None = None, group_size: int | None = None,
-                 prequantized: Mapping[str, Int4Weight | Int8Weight] | None = None,
-                 quantize_embedding: bool = False) -> None:
+                 prequantized: Mapping[str, Ready | None] | None = None,
+                 quantize_embedding: bool = False, tables: Callable[[str], nn.Module | None] | None = None) -> None:
         """`quantization` (int8 / int4) applies to every decoder linear layer. The embedding and the LM
         head stay in `dtype` (mixed precision, as weight-only schemes recommend) unless
         `quantize_embedding`: then they are INT8 per row, and a tied pair shares one INT8 copy.
         `prequantized` gives ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved
-        quantized checkpoint's), used as they are where present."""
+        quantized checkpoint's), used as they are where present; `tables` the file's own embedding lookups."""
         super().__init__()
         self.spec = spec
-        take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized)
+        take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized, tables)
         self.embed_name, self.head_name, self.final_norm_name = self.weight_names(take)
         self.build_embedding(take, quantize_embedding)
         self.layers = nn.ModuleList([self.build_layer(i, take) for i in range(spec.num_layers)])
@@ -123,11 +168,17 @@ class CausalLM(nn.Module):
 
     def build_embedding(self, take: WeightLoader, quantize_embedding: bool) -> None:
         """`self.embedding` and `self.lm_head`: one copy when tied, where the layout can be read by rows."""
-        spec, table = self.spec, take.weights.get(self.embed_name)
-        if table is not None and tuple(table.shape) != (spec.vocab_size, spec.hidden_size):
-            raise CorruptCheckpointError(f"tensor {self.embed_name!r} is {tuple(table.shape)}, but config.json gives "
+        spec = self.spec
+        shape = take.shape(self.embed_name) if self.embed_name in take.weights else None
+        if shape is not None and shape != (spec.vocab_size, spec.hidden_size):
+            raise CorruptCheckpointError(f"tensor {self.embed_name!r} is {shape}, but config.json gives "
                                          f"vocab_size x hidden_size = ({spec.vocab_size}, {spec.hidden_size})")
         tied = spec.tie_word_embeddings or self.head_name not in take
+        rows = take.table(self.embed_name)
+        if rows is not None:  # the file's own quantized rows for lookups; the head in its own format
+            self.embedding = rows
+            self.lm_head = take.head(self.embed_name if tied else self.head_name)
+            return
         if quantize_embedding or self.embed_name in take.prequantized:
             self.embedding = take.int8_table(self.embed_name)
         elif tied:
@@ -186,7 +237,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits; an INT8/INT4 head's kernel sums in float32 and hands them over unrounded. Gemma 2
         caps them (cap * tanh(logits / cap)), as HF does before sampling."""
-        if isinstance(self.lm_head, Int8Linear | Int4Linear):
+        if hasattr(self.lm_head, "float_forward"):
             logits = self.lm_head.float_forward(hidden)
         else:
             logits = self.lm_head(hidden).float()

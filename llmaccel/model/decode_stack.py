@@ -21,6 +21,7 @@ from llmaccel.model.weight_arena import WeightArena
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.ops.kernel_choice import Bf16Choice
+from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
 from llmaccel.ops.layer_ops import layer_kernels
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
 
@@ -34,7 +35,12 @@ logger = logging.getLogger(__name__)
 def stack_linear(kernels, module: nn.Module):
     """The module's weights as the stack reads them, or None where their layout is not one it reads."""
     bias = getattr(module, "bias", None)
-    if isinstance(module, Linear) and module.panels is not None:
+    if isinstance(module, ConcatLinear):
+        parts = [stack_linear(kernels, part) for part in module.parts]
+        return None if any(p is None for p in parts) else kernels.fused_linear(parts, bias)
+    if isinstance(module, KQuantLinear):
+        return kernels.stack_linear(module.layout, module.blocks, None, bias, module.out_features)
+    if isinstance(module, Linear) and module.panels is not None:  # float32, or bf16 / f16 widened as read
         return kernels.stack_linear("f32", module.panels, None, bias, module.out_features)
     if isinstance(module, Linear) and module.vnni is not None:
         return kernels.stack_linear("bf16_vnni", module.vnni, None, bias, module.out_features)
@@ -94,7 +100,8 @@ def build_decode_stack(model: CausalLM) -> DecodeStack | None:
     spec, dtype = model.spec, model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.rotary.cos.dtype != dtype:
         return None
-    streamed = [m for layer in model.layers for m in layer.projections]
+    streamed = [part for layer in model.layers for m in layer.projections
+                for part in (m.parts if isinstance(m, ConcatLinear) else [m])]
     arena = WeightArena([*streamed, model.lm_head], model)  # the modules now hold views of it
     logger.info("decode weights: %.0f MB in one mapping%s", arena.nbytes / 1e6,
                 " on huge pages" if arena.huge_pages else "")

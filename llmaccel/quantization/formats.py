@@ -56,6 +56,40 @@ class Int4Weight:
         return self.packed.numel() + (self.scale.numel() + self.zero.numel()) * self.scale.element_size()
 
 
+KQUANT_LAYOUTS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGML type -> the K-quant kernel's layout name
+
+
+@dataclass
+class PackedWeight:
+    """A quantized weight already in one of llmaccel's CPU kernel layouts, repacked from a file's own blocks
+    (a GGUF tensor) without expanding it: `layout` "int8" (ops/gemv.py's INT8 blocks with a float32 scale per
+    32 inputs: GGUF Q8_0), "int4" (INT4 blocks with float16 scale and offset per 32: Q4_0, Q4_1) or "q4_k",
+    "q5_k", "q6_k" (csrc/kquant.cpp's blocks for llama.cpp's K-quants)."""
+
+    layout: str
+    blocks: torch.Tensor  # uint8 [ceil(N / 16), K / 32 or K / 256, bytes a block]
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @property
+    def ggml_type(self) -> int | None:
+        """The GGML type number of a K-quant layout, else None."""
+        return next((t for t, name in KQUANT_LAYOUTS.items() if name == self.layout), None)
+
+
+def concat_packed(weights: list[PackedWeight]) -> PackedWeight:
+    """Same-layout packed weights stacked along the output dimension (every part but the last a whole number of
+    16-row groups, as the kernels' blocks hold 16 rows)."""
+    if any(w.out_features % 16 for w in weights[:-1]):
+        raise ValueError("packed weights stack only at multiples of 16 rows")
+    return PackedWeight(weights[0].layout, torch.cat([w.blocks for w in weights]),
+                        sum(w.out_features for w in weights), weights[0].in_features)
+
+
 def check_group_size(group_size: int, in_features: int, name: str = "a layer") -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"INT4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
@@ -79,8 +113,11 @@ def quantize(weight: torch.Tensor, method: str, group_size: int | None = None,
     raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def concat_weights(weights: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
+def concat_weights(weights: list[Int8Weight] | list[Int4Weight] | list[PackedWeight]
+                   ) -> Int8Weight | Int4Weight | PackedWeight:
     """Stack same-format weights along the output dimension (fused qkv / gate-up layers)."""
+    if isinstance(weights[0], PackedWeight):
+        return concat_packed(weights)
     if isinstance(weights[0], Int8Weight):
         return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
                           weights[0].group_size)
@@ -88,9 +125,12 @@ def concat_weights(weights: list[Int8Weight] | list[Int4Weight]) -> Int8Weight |
                       torch.cat([w.zero for w in weights]), weights[0].group_size)
 
 
-def same_format(weights: list[Int8Weight | Int4Weight]) -> bool:
-    """Whether these weights can be stacked into one fused layer (one format, one group size)."""
-    return len({(type(w), w.group_size) for w in weights}) == 1
+def same_format(weights: list[Int8Weight | Int4Weight | PackedWeight]) -> bool:
+    """Whether these weights can be stacked into one fused layer (one format, one group size or layout, and
+    packed parts that end on whole 16-row groups)."""
+    if all(isinstance(w, PackedWeight) for w in weights):
+        return len({w.layout for w in weights}) == 1 and all(w.out_features % 16 == 0 for w in weights[:-1])
+    return len({(type(w), getattr(w, "group_size", None)) for w in weights}) == 1
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

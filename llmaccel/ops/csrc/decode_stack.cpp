@@ -28,11 +28,23 @@ namespace llmaccel {
 
 // A projection's weights in one of the kernels' layouts.
 struct StackLinear {
-  enum Kind { kF32Panels, kBf16, kBf16Vnni, kInt8, kInt4 } kind;
+  enum Kind { kF32Panels, kHalfPanels, kBf16, kBf16Vnni, kInt8, kInt4, kKQuant } kind;
   torch::Tensor weight, scale, bias;  // scale: INT8 row scales (undefined where the blocks hold theirs)
   int64_t n = 0, k = 0;
+  int64_t kq_type = 0;  // kKQuant: the GGML type (12 Q4_K, 13 Q5_K, 14 Q6_K)
+  // a projection whose parts (consecutive output columns, each a multiple of 16 but the last) are in different
+  // layouts, e.g. a GGUF file's q and k in Q4_K and its v in Q6_K: each part computes its own columns
+  std::vector<std::shared_ptr<StackLinear>> parts;
+  std::vector<int64_t> starts;  // first output column of each part
 
-  bool quantized() const { return kind == kInt8 || kind == kInt4; }
+  // integer weights: the activation rows are quantized to INT8 first
+  bool quantized() const {
+    if (!parts.empty())
+      return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p->quantized(); });
+    return kind == kInt8 || kind == kInt4 || kind == kKQuant;
+  }
+  // INT8/INT4 blocks, which the AMX kernel for quantized weights also reads
+  bool amx_readable() const { return parts.empty() && (kind == kInt8 || kind == kInt4); }
   // the weights as the AMX kernel for quantized weights reads them (quant_amx.cpp)
   QuantizedWeight quantized_weight() const {
     QuantizedWeight w;
@@ -51,10 +63,23 @@ struct StackLinear {
   void columns(const float* x, const uint16_t* xb, const QuantizedRows& a, float* y, int64_t ldy, int64_t m,
                int64_t c0, int64_t c1) const {
     if (c0 >= c1) return;
+    if (!parts.empty()) {
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t start = starts[i], end = start + parts[i]->n;
+        const int64_t lo = std::max(c0, start), hi = std::min(c1, end);
+        if (lo < hi) parts[i]->columns(x, xb, a, y + start, ldy, m, lo - start, hi - start);
+      }
+      return;
+    }
     if (kind == kF32Panels)
       f32_panels(x, m, k, weight.data_ptr<float>(), n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else if (kind == kBf16)
       bf16_columns(x, xb, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
+    else if (kind == kHalfPanels)
+      half_panels(x, m, k, static_cast<const uint16_t*>(weight.data_ptr()), weight.scalar_type() == torch::kBFloat16,
+                  n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
+    else if (kind == kKQuant)
+      kq_groups(a, weight.data_ptr<uint8_t>(), kq_type, y, ldy, m, k, n, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else if (kind == kInt8)
       i8_groups(a, weight.data_ptr<uint8_t>(), scale.defined() ? scale.data_ptr<float>() : nullptr, y, ldy, m, k, n,
                 c0 / kPanel, (c1 + kPanel - 1) / kPanel);
@@ -72,11 +97,13 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   out->weight = weight;
   out->n = n;
-  if (kind == "f32") {
-    TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kPanel && weight.scalar_type() == torch::kFloat32,
-                "f32 weights must be float32 panels [N / 16, K, 16]");
+  if (kind == "f32") {  // panels of float32, or of bfloat16 / float16 weights widened as they are read
+    const auto type = weight.scalar_type();
+    TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kPanel &&
+                    (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kHalf),
+                "f32 weights must be float32, bfloat16 or float16 panels [N / 16, K, 16]");
     TORCH_CHECK(n > (weight.size(0) - 1) * kPanel && n <= weight.size(0) * kPanel, "n does not fit the panels");
-    out->kind = StackLinear::kF32Panels;
+    out->kind = type == torch::kFloat32 ? StackLinear::kF32Panels : StackLinear::kHalfPanels;
     out->k = weight.size(1);
   } else if (kind == "bf16") {
     TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.size(0) == n,
@@ -98,13 +125,46 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
     check_groups_fit(weight, n);
     out->kind = StackLinear::kInt4;
     out->k = weight.size(1) * kBlock;
+  } else if (kind == "q4_k" || kind == "q5_k" || kind == "q6_k") {
+    out->kq_type = kind == "q4_k" ? 12 : kind == "q5_k" ? 13 : 14;
+    check_kq_blocks(weight, out->kq_type);
+    check_groups_fit(weight, n);
+    out->kind = StackLinear::kKQuant;
+    out->k = weight.size(1) * 256;
   } else {
-    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, bf16_vnni, int8 or int4)");
+    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, bf16_vnni, int8, int4, q4_k, q5_k or q6_k)");
   }
   TORCH_CHECK(!out->quantized() || out->k % kBlock == 0, "K must be a multiple of 32");
   if (bias) {
     TORCH_CHECK((bias->scalar_type() == torch::kFloat32 || bias->scalar_type() == torch::kBFloat16) &&
                     bias->is_contiguous() && bias->numel() == n,
+                "bias must be contiguous float32 or bfloat16 [N]");
+    out->bias = *bias;
+  }
+  return out;
+}
+
+// One projection from parts in different layouts, side by side in this order (each's columns a multiple of 16
+// but the last's); the bias, if any, is the whole projection's. Parts stream: panels, INT8, INT4 or K-quants.
+std::shared_ptr<StackLinear> fused_linear(std::vector<std::shared_ptr<StackLinear>> parts,
+                                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(!parts.empty(), "a fused projection needs parts");
+  auto out = std::make_shared<StackLinear>();
+  out->kind = StackLinear::kF32Panels;  // (not read: the parts' kinds decide)
+  out->k = parts.front()->k;
+  for (const auto& part : parts) {
+    TORCH_CHECK(part->parts.empty() && part->kind != StackLinear::kBf16 && part->kind != StackLinear::kBf16Vnni &&
+                    !part->bias.defined(),
+                "a fused projection's parts must be unbiased panels, INT8, INT4 or K-quant weights");
+    TORCH_CHECK(part->k == out->k, "a fused projection's parts must share their input size");
+    TORCH_CHECK(out->n % kPanel == 0, "every part of a fused projection but the last must be whole groups of 16");
+    out->starts.push_back(out->n);
+    out->n += part->n;
+  }
+  out->parts = std::move(parts);
+  if (bias) {
+    TORCH_CHECK((bias->scalar_type() == torch::kFloat32 || bias->scalar_type() == torch::kBFloat16) &&
+                    bias->is_contiguous() && bias->numel() == out->n,
                 "bias must be contiguous float32 or bfloat16 [N]");
     out->bias = *bias;
   }
@@ -142,7 +202,7 @@ bool uses_amx(Bf16Kernel kernel) { return kernel == Bf16Kernel::kBrgemm || kerne
 // The columns a thread's share of a projection is counted in: a block of 32 where the kernel works in
 // AMX blocks, else a panel (or group) of 16.
 int64_t share_unit(const StackLinear& w, Bf16Kernel kernel) {
-  const bool blocks = w.kind == StackLinear::kBf16Vnni || (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm);
+  const bool blocks = w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm);
   return blocks ? kVnniBlock : kPanel;
 }
 
@@ -175,7 +235,7 @@ struct ProjectionInput {
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
-      if (w.kind == StackLinear::kBf16Vnni || (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm)) {
+      if (w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm)) {
         // the packed kernels and the dequantizing one read the rows as they are
         bits = reinterpret_cast<const uint16_t*>(x);
         return;
@@ -247,7 +307,7 @@ class DecodeStack {
     for (const auto* w : {&qkv, &o, &gate_up, &down}) {  // what forward checks each step's kernel against
       has_plain_bf16_ |= (*w)->kind == StackLinear::kBf16;
       has_packed_ |= (*w)->kind == StackLinear::kBf16Vnni;
-      all_quantized_ &= (*w)->quantized();
+      all_quantized_ &= (*w)->amx_readable();
     }
     check_norm(post_norm);
     layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, window, q_norm.value_or(torch::Tensor()),
@@ -346,7 +406,7 @@ class DecodeStack {
         if constexpr (std::is_same_v<T, at::BFloat16>)
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
-      } else if (w.quantized() && kernel == Bf16Kernel::kDequantBrgemm) {
+      } else if (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm) {
         if constexpr (std::is_same_v<T, at::BFloat16>)  // (checked: a bfloat16 stack)
           dequant_brgemm_columns(w.quantized_weight(), input.bits, w.k, seqs, y, ldy, c0, c1);
       } else if (w.kind == StackLinear::kBf16Vnni) {
@@ -591,8 +651,11 @@ void bind_decode_stack(pybind11::module& m) {
   // module_local: two builds of these kernels in one process (the tests' -march=haswell build beside the
   // native one) would otherwise register the same C++ types twice
   py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear", py::module_local());
-  m.def("stack_linear", &stack_linear, "a projection's weights for DecodeStack: kind f32 (panels), int8 or int4",
+  m.def("stack_linear", &stack_linear,
+        "a projection's weights for DecodeStack: kind f32 (panels), bf16, bf16_vnni, int8, int4, q4_k, q5_k or q6_k",
         py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
+  m.def("fused_linear", &fused_linear, "one projection from parts in different layouts, side by side",
+        py::arg("parts"), py::arg("bias"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, double>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),

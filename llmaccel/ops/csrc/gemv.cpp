@@ -38,6 +38,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
   out.d.resize(m * nb);
   out.dsum.resize(m * nb);
   out.qsum.resize(m * nb);
+  out.qsum16.resize(2 * m * nb);
   for (int64_t i = 0; i < m * nb; ++i) {
     const float* src = x + i * kBlock;
     int8_t* dst = out.q.data() + i * kBlock;
@@ -45,15 +46,18 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
+    int32_t halves[2] = {0, 0};
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
       dst[j] = static_cast<int8_t>(v);
-      sum += v;
+      halves[j / 16] += v;
     }
+    const int32_t sum = halves[0] + halves[1];
     out.d[i] = d;
     out.dsum[i] = d * static_cast<float>(sum);
     out.qsum[i] = sum;
+    out.qsum16[2 * i] = halves[0];
+    out.qsum16[2 * i + 1] = halves[1];
   }
 }
 

@@ -53,6 +53,7 @@ struct QuantizedRows {
   std::vector<float> d;     // [M, K / 32]
   std::vector<float> dsum;  // [M, K / 32]: d * sum(q) of each block (what an INT4 offset multiplies)
   std::vector<int32_t> qsum;  // [M, K / 32]: sum(q) of each block (the INT8 kernel's +128 correction)
+  std::vector<int32_t> qsum16;  // [M, K / 16]: sum(q) of each half block (Q6_K's -32 correction, kquant.cpp)
 };
 
 // Fills `out` (reusing its storage) with the M x K rows x.
@@ -72,6 +73,11 @@ void i4_groups(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t 
 // row_scale (returned: the block stride); `n` output rows must fill the last of the groups of 16.
 int64_t check_int8_blocks(const at::Tensor& blocks, const c10::optional<at::Tensor>& row_scale);
 void check_int4_blocks(const at::Tensor& blocks);
+// llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) in kquant.cpp's blocks [ceil(N / 16), K / 256, record bytes]: the row
+// groups g0 .. g1 - 1. `kind` is the GGML type (12, 13, 14); check_kq_blocks checks the layout for it.
+void kq_groups(const QuantizedRows& a, const uint8_t* blocks, int64_t kind, float* y, int64_t ldy, int64_t m,
+               int64_t k, int64_t n, int64_t g0, int64_t g1);
+void check_kq_blocks(const at::Tensor& blocks, int64_t kind);
 void check_groups_fit(const at::Tensor& blocks, int64_t n);
 // Float32 weights in panels [ceil(N / 16), K, 16]: the panels p0 .. p1 - 1, i.e. columns 16 p0 .. <= 16 p1.
 // bfloat16 weights w [N, K] (bits as uint16), plain layout: columns n0 .. n1 - 1. `xb`: the same rows as
@@ -81,6 +87,9 @@ void bf16_columns(const float* x, const uint16_t* xb, const uint16_t* w, float* 
                   int64_t n0, int64_t n1);
 void f32_panels(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
                 int64_t p0, int64_t p1);
+// The same for panels of bfloat16 (bf16) or float16 weights, widened to float32 as they are read.
+void half_panels(const float* x, int64_t m, int64_t k, const uint16_t* panels, bool bf16, int64_t n, float* y,
+                 int64_t ldy, int64_t p0, int64_t p1);
 
 // The bfloat16 GEMM (gemm_bf16.cpp; AVX512-BF16 only, bf16_gemm_compiled() says): activations packed
 // by pack_pairs as [K / 2, packed_rows(M)] pairs (x[i, 2p], x[i, 2p + 1]), the padding rows zero; then

@@ -9,6 +9,9 @@
 // - an output's value does not depend on how many rows share the call or where its row falls (batch
 //   invariance): a request gets the same logits alone, in any batch, and when recomputed after
 //   preemption.
+// The panels may also hold bfloat16 or float16 weights (a bf16 / f16 checkpoint served in float32 on a CPU
+// without bf16 arithmetic): each is widened to float32 exactly as it is loaded (a shift, or F16C's convert), so
+// the sums are those of the float32 copy, bit for bit, from half the memory and half the read traffic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -55,8 +58,31 @@ inline void store_row(float* y, __m256 lo, __m256 hi, int64_t cols) {
 
 // y[r, 0:cols] = x[r, :] . panel for R rows (cols < 16 only in the last, padded panel); `resume` goes
 // on from the sums already in y (stored exactly, so the summation order is unchanged).
-template <int R>
-void tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols, bool resume) {
+// Weight element types of a panel: float32, bfloat16 bits, float16 bits.
+struct Bf16Bits { uint16_t v; };
+struct F16Bits { uint16_t v; };
+
+inline float widen(float w) { return w; }
+inline float widen(Bf16Bits w) {
+  const uint32_t bits = static_cast<uint32_t>(w.v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float widen(F16Bits w) { return static_cast<float>(c10::Half(w.v, c10::Half::from_bits())); }
+
+#ifdef LLMACCEL_LINEAR_AVX2
+// Eight weights from p as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Bf16Bits* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const F16Bits* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+template <int R, typename W>
+void tile(const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cols, bool resume) {
 #ifdef LLMACCEL_LINEAR_AVX2
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
          l5 = l0, h5 = l0;
@@ -73,8 +99,8 @@ void tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, 
     h##r = _mm256_fmadd_ps(xv, w1, h##r);                       \
   }
   for (int64_t j = 0; j < k; ++j) {
-    const __m256 w0 = _mm256_loadu_ps(panel + j * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + j * kPanel + 8);
+    const __m256 w0 = load8(panel + j * kPanel);
+    const __m256 w1 = load8(panel + j * kPanel + 8);
     LLMACCEL_ROW(0) LLMACCEL_ROW(1) LLMACCEL_ROW(2) LLMACCEL_ROW(3) LLMACCEL_ROW(4) LLMACCEL_ROW(5)
   }
 #undef LLMACCEL_ROW
@@ -86,12 +112,13 @@ void tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, 
     for (int r = 0; r < R; ++r) std::memcpy(acc[r], y + r * ldy, cols * sizeof(float));
   for (int64_t j = 0; j < k; ++j)
     for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += x[r * ldx + j] * panel[j * kPanel + c];
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += x[r * ldx + j] * widen(panel[j * kPanel + c]);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
 #endif
 }
 
-void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols,
+template <typename W>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cols,
                bool resume) {
   switch (rows) {
     case 1: return tile<1>(x, ldx, k, panel, y, ldy, cols, resume);
@@ -103,10 +130,9 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t k, const float
   }
 }
 
-}  // namespace
-
-LLMACCEL_ONE_COPY void f32_panels(const float* xp, int64_t m, int64_t k, const float* pp, int64_t n, float* yp, int64_t ldy,
-                int64_t p0, int64_t p1) {
+template <typename W>
+void panels_product(const float* xp, int64_t m, int64_t k, const W* pp, int64_t n, float* yp, int64_t ldy, int64_t p0,
+                    int64_t p1) {
   // A few rows stream each panel whole; more go through the inputs a slice at a time.
   const int64_t depth = m <= kRowTile ? k : kDepth;
   for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
@@ -120,7 +146,7 @@ LLMACCEL_ONE_COPY void f32_panels(const float* xp, int64_t m, int64_t k, const f
       for (int64_t k0 = 0; k0 < k; k0 += depth) {
         for (int64_t p = c0; p < c1; ++p) {
           const int64_t cols = std::min(kPanel, n - p * kPanel);
-          const float* panel = pp + (p * k + k0) * kPanel;
+          const W* panel = pp + (p * k + k0) * kPanel;
           for (int64_t i = r0; i < r1; i += kRowTile)
             tile_rows(std::min(kRowTile, r1 - i), xp + i * k + k0, k, std::min(depth, k - k0), panel,
                       yp + i * ldy + p * kPanel, ldy, cols, k0 > 0);
@@ -130,15 +156,32 @@ LLMACCEL_ONE_COPY void f32_panels(const float* xp, int64_t m, int64_t k, const f
   }
 }
 
+}  // namespace
+
+LLMACCEL_ONE_COPY void f32_panels(const float* xp, int64_t m, int64_t k, const float* pp, int64_t n, float* yp, int64_t ldy,
+                int64_t p0, int64_t p1) {
+  panels_product(xp, m, k, pp, n, yp, ldy, p0, p1);
+}
+
+LLMACCEL_ONE_COPY void half_panels(const float* xp, int64_t m, int64_t k, const uint16_t* pp, bool bf16, int64_t n,
+                                   float* yp, int64_t ldy, int64_t p0, int64_t p1) {
+  if (bf16)
+    panels_product(xp, m, k, reinterpret_cast<const Bf16Bits*>(pp), n, yp, ldy, p0, p1);
+  else
+    panels_product(xp, m, k, reinterpret_cast<const F16Bits*>(pp), n, yp, ldy, p0, p1);
+}
+
 }  // namespace llmaccel
 
 using namespace llmaccel;
 
 // x [M, K] float32 (other dtypes are converted), panels float32 [ceil(N / 16), K, 16] -> [M, N].
+// Panels of bfloat16 or float16 weights widen each weight to float32 as they read it.
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == torch::kFloat32 &&
-                  panels.is_contiguous(),
-              "panels must be contiguous float32 [N / 16, K, 16]");
+  const auto type = panels.scalar_type();
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kHalf),
+              "panels must be contiguous float32, bfloat16 or float16 [N / 16, K, 16]");
   const int64_t num_panels = panels.size(0), k = panels.size(1);
   TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "n = ", n, " does not fit ", num_panels,
               " panels");
@@ -146,10 +189,18 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n) {
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t m = xf.size(0);
   auto y = torch::empty({m, n}, xf.options());
-  const float *xp = xf.data_ptr<float>(), *pp = panels.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (num_panels + threads - 1) / threads);
-  at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) { f32_panels(xp, m, k, pp, n, yp, n, p0, p1); });
+  if (type == torch::kFloat32) {
+    const float* pp = panels.data_ptr<float>();
+    at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) { f32_panels(xp, m, k, pp, n, yp, n, p0, p1); });
+  } else {
+    const auto* pp = static_cast<const uint16_t*>(panels.data_ptr());
+    const bool bf16 = type == torch::kBFloat16;
+    at::parallel_for(0, num_panels, grain,
+                     [&](int64_t p0, int64_t p1) { half_panels(xp, m, k, pp, bf16, n, yp, n, p0, p1); });
+  }
   return y;
 }

@@ -1,0 +1,166 @@
+"""A GGUF file's metadata and tensor table, the tensors memory-mapped, never copied.
+
+gguf.GGUFReader parses every metadata value into numpy views: for a tokenizer of 49,152 tokens and as many
+merges that is a million small arrays, 3-6 s of every start. The engine needs the scalar values (the
+architecture's numbers) and the tensor infos, so this reads scalars and strings and walks past arrays (a type,
+a count, a skip), keeping only their length. Layout (GGUF v2/v3, little-endian): magic, version, tensor
+count, key-value count; the key-values; per tensor its name, dimensions (innermost first), type and offset;
+the data from the next multiple of `general.alignment` (32 unless set).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from llmaccel.errors import CorruptCheckpointError
+
+# GGUFValueType -> struct format of a scalar
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class ArrayValue:
+    """A metadata array, not read: its element type and length (the tokenizer's tokens, merges, ...)."""
+
+    item_type: int
+    count: int
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
+    tensor_type: int  # a gguf.GGMLQuantizationType value
+    data: np.ndarray  # its bytes (uint8), a view of the mapped file
+
+    @property
+    def rows(self) -> int:
+        """Rows of the matrix as torch sees it ([rows, shape[0]]): every dimension but the innermost."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensor_type).name
+
+
+class _Cursor:
+    def __init__(self, buffer: np.ndarray) -> None:
+        self.buffer, self.pos = memoryview(buffer), 0
+
+    def take(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        self.pos += length
+        return bytes(self.buffer[self.pos - length:self.pos]).decode("utf-8")
+
+    def value(self, value_type: int):
+        """A scalar or string value; an array is skipped and comes back as its ArrayValue."""
+        if value_type == _STRING:
+            return self.string()
+        if value_type in _SCALARS:
+            return self.take(_SCALARS[value_type])
+        if value_type == _ARRAY:
+            item_type, count = self.take("<I"), self.take("<Q")
+            if item_type in _SCALARS:
+                self.pos += count * struct.calcsize(_SCALARS[item_type])
+            elif item_type == _STRING:
+                for _ in range(count):
+                    length = self.take("<Q")  # read first: `self.pos += self.take(...)` adds to the old position
+                    self.pos += length
+            else:
+                for _ in range(count):
+                    self.value(item_type)
+            return ArrayValue(item_type, count)
+        raise ValueError(f"unknown GGUF value type {value_type} at byte {self.pos}")
+
+
+class GGUFFile:
+    """The file at `path`, memory-mapped. Raises CorruptCheckpointError (a ValueError) for what is not a
+    little-endian GGUF v2/v3 file or does not fit its own sizes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            # copy-on-write: pages are shared with the page cache, and torch may view them without a copy
+            self.buffer = np.memmap(self.path, dtype=np.uint8, mode="c")
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{path}: cannot map the file ({exc})") from exc
+        cursor = _Cursor(self.buffer)
+        try:
+            if bytes(cursor.buffer[:4]) != b"GGUF":
+                raise CorruptCheckpointError(f"{path} is not a GGUF file")
+            cursor.pos = 4
+            version = cursor.take("<I")
+            if version not in (2, 3):
+                raise CorruptCheckpointError(f"{path}: GGUF version {version} (a big-endian file reads as a huge "
+                                             "one); versions 2 and 3 are read")
+            num_tensors, num_values = cursor.take("<Q"), cursor.take("<Q")
+            self.metadata: dict[str, object] = {}
+            for _ in range(num_values):
+                key = cursor.string()
+                self.metadata[key] = cursor.value(cursor.take("<I"))
+            infos = []
+            for _ in range(num_tensors):
+                name = cursor.string()
+                shape = tuple(cursor.take("<Q") for _ in range(cursor.take("<I")))
+                infos.append((name, shape, cursor.take("<I"), cursor.take("<Q")))
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            if isinstance(exc, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{path}: the GGUF header is unreadable or ends early ({exc})") from None
+        self.header_bytes = cursor.pos
+        alignment = self.metadata.get("general.alignment", 32)
+        start = -(-cursor.pos // alignment) * alignment
+        self.tensors: dict[str, GGUFTensor] = {}
+        for name, shape, tensor_type, offset in infos:
+            nbytes = tensor_nbytes(shape, tensor_type, f"{path}: tensor {name}")
+            if start + offset + nbytes > len(self.buffer):
+                raise CorruptCheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+            data = self.buffer[start + offset:start + offset + nbytes]
+            self.tensors[name] = GGUFTensor(name, shape, tensor_type, data)
+
+    def get(self, key: str, default: object = None) -> object:
+        value = self.metadata.get(key, default)
+        return default if isinstance(value, ArrayValue) else value
+
+    def array_length(self, key: str) -> int | None:
+        value = self.metadata.get(key)
+        return value.count if isinstance(value, ArrayValue) else None
+
+    @cached_property
+    def architecture(self) -> str:
+        return str(self.get("general.architecture", ""))
+
+    def header_digest(self) -> str:
+        """A hash of the metadata and tensor table with the file's size: what names a file's tokenizer
+        and config without reading gigabytes of weights."""
+        import hashlib
+
+        h = hashlib.sha256(bytes(self.buffer[:self.header_bytes]))
+        h.update(str(len(self.buffer)).encode())
+        return h.hexdigest()
+
+
+def tensor_nbytes(shape: tuple[int, ...], tensor_type: int, what: str) -> int:
+    """Bytes of a tensor of this GGML type and shape; an unknown type or a row that is not whole blocks is
+    an error naming it."""
+    from gguf import GGML_QUANT_SIZES  # (elements a block, bytes a block) per tensor type
+
+    if tensor_type not in GGML_QUANT_SIZES:
+        raise CorruptCheckpointError(f"{what} has the unknown GGML type {tensor_type}")
+    block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+    if shape and shape[0] % block:
+        raise CorruptCheckpointError(f"{what}: rows of {shape[0]} elements are not whole blocks of {block}")
+    return int(np.prod(shape, dtype=np.int64)) // block * block_bytes

@@ -1,0 +1,176 @@
+"""A GGUF file's tensors as the model's weights, by HF name, read from the mapped file one at a time.
+
+Three views of the same tensors, each built on demand so that loading holds one tensor's temporaries at a time:
+- `weights[name]`: a dense tensor. F32 / F16 / BF16 tensors are views of the mapped file (no copy); a quantized
+  tensor is dequantized to float32 here (the `--quantization none` path, and 1-D tensors).
+- `packed()`: the quantized matrices repacked into llmaccel's kernel layouts (ops' PackedWeight: Q8_0 -> INT8
+  blocks, Q4_0 / Q4_1 -> INT4 blocks, Q4_K / Q5_K / Q6_K -> K-quant blocks), every weight exactly the file's:
+  the `--quantization gguf` path. Where the CPU kernels are missing (CUDA, no compiler) Q8_0 and Q4_x come as
+  Int8Weight / Int4Weight for torch's kernels, and K-quants are dequantized.
+- `tables`: embedding lookups straight from the file's rows (`GGUFRows`), dequantized a row at a time.
+q and k rows come back in HF's order (llama.cpp's converter interleaves them). A tensor type outside those
+nine is an UnsupportedModelError naming it, never a silent float copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmaccel.errors import UnsupportedModelError
+from llmaccel.model.gguf import quants
+from llmaccel.model.gguf.names import hf_tensor_name, row_order
+from llmaccel.model.gguf.reader import GGUFFile, GGUFTensor
+from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, pack_int4
+
+_TORCH_DENSE = {quants.F32: torch.float32, quants.F16: torch.float16, quants.BF16: torch.bfloat16}
+
+
+def check_supported(tensor: GGUFTensor, path: object) -> None:
+    if tensor.tensor_type not in quants.BLOCKS:
+        supported = ", ".join(quants.NAMES.values())
+        raise UnsupportedModelError(f"{path}: tensor {tensor.name} is {tensor.type_name}, a GGUF tensor type llmaccel "
+                                    f"does not read (it reads {supported}); requantize the file with llama.cpp's "
+                                    "llama-quantize to one of them (Q4_K_M is the usual choice)")
+
+
+def _raw_rows(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor's bytes as uint8 [rows, row bytes], a view of the mapped file."""
+    return torch.from_numpy(tensor.data).view(tensor.rows, -1)
+
+
+class GGUFWeights(Mapping[str, torch.Tensor]):
+    """Dense tensors by HF name (see the module docstring); `packed` and `tables` give the other two views."""
+
+    def __init__(self, file: GGUFFile, config: dict) -> None:
+        self.file, self.config = file, config
+        self._by_name: dict[str, GGUFTensor] = {}
+        for tensor in file.tensors.values():
+            name = hf_tensor_name(tensor.name)
+            if name is not None:
+                check_supported(tensor, file.path)
+                self._by_name[name] = tensor
+
+    def packed(self, cpu_kernels: bool = True) -> PackedTensors:
+        """The quantized matrices for llmaccel's CPU kernels (`cpu_kernels`, where they are built) or torch's."""
+        return PackedTensors(self, cpu_kernels)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._by_name[name].shape))
+
+    def tensor(self, name: str) -> GGUFTensor:
+        return self._by_name[name]
+
+    def order(self, name: str) -> np.ndarray | None:
+        tensor = self._by_name[name]
+        return row_order(tensor.name, tensor.rows, self.config)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._by_name[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.tensor_type in _TORCH_DENSE:
+            values = torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(shape)
+        else:
+            values = quants.dequantize(_raw_rows(tensor), tensor.tensor_type, int(tensor.shape[0])).view(shape)
+        order = self.order(name)
+        return values if order is None else values[torch.from_numpy(order)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def is_quantized(self, name: str) -> bool:
+        return name in self._by_name and self._by_name[name].tensor_type not in quants.DENSE
+
+    def table(self, name: str) -> nn.Module | None:
+        """An embedding lookup on the file's own rows for a quantized table, or None for a dense one."""
+        if not self.is_quantized(name):
+            return None
+        return GGUFRows(self._by_name[name])
+
+
+class PackedTensors(Mapping[str, object]):
+    """The quantized matrices by HF name, each repacked for llmaccel's kernels when asked for (see the module
+    docstring): PackedWeight where the CPU kernels run, else Int8Weight / Int4Weight, or None for a K-quant
+    (which the caller then takes dense)."""
+
+    def __init__(self, weights: GGUFWeights, cpu_kernels: bool = True) -> None:
+        self.weights, self.cpu_kernels = weights, cpu_kernels
+
+    def _names(self) -> list[str]:
+        return [n for n in self.weights if self.weights.is_quantized(n) and self.weights.tensor(n).rows > 1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.weights.is_quantized(name) and self.weights.tensor(name).rows > 1
+
+    def __getitem__(self, name: str) -> PackedWeight | Int8Weight | Int4Weight | None:
+        if name not in self:
+            raise KeyError(name)
+        tensor = self.weights.tensor(name)
+        k, n = int(tensor.shape[0]), tensor.rows
+        order = self.weights.order(name)
+        rows = torch.arange(n) if order is None else torch.from_numpy(order)
+        kernels = _kernels() if self.cpu_kernels else None
+        if kernels is not None:
+            blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k)
+            layout = {quants.Q8_0: "int8", quants.Q4_0: "int4", quants.Q4_1: "int4"}.get(
+                tensor.tensor_type, quants.NAMES[tensor.tensor_type].lower())
+            return PackedWeight(layout, blocks, n, k)
+        return _torch_format(tensor, rows, k)
+
+
+def _kernels():
+    from llmaccel.ops.gemv import gemv_kernels
+
+    kernels = gemv_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "gguf_repack") else None
+
+
+def _torch_format(tensor: GGUFTensor, rows: torch.Tensor, k: int) -> Int8Weight | Int4Weight | None:
+    """Q8_0 / Q4_0 / Q4_1 as the formats torch's kernels take (no llmaccel kernels here); None for K-quants."""
+    raw = _raw_rows(tensor)[rows]
+    blocks = raw.reshape(-1, quants.BLOCKS[tensor.tensor_type][1])
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float().view(len(rows), k // 32)
+    if tensor.tensor_type == quants.Q8_0:
+        return Int8Weight(blocks[:, 2:].contiguous().view(torch.int8).view(len(rows), k), d, 32)
+    if tensor.tensor_type not in (quants.Q4_0, quants.Q4_1):
+        return None
+    nibbles = blocks[:, -16:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).view(len(rows), k)
+    if tensor.tensor_type == quants.Q4_1:  # w = d q + m = (q - 8) d + (m + 8 d)
+        zero = blocks[:, 2:4].contiguous().view(torch.float16).float().view(len(rows), k // 32) + 8 * d
+    else:
+        zero = torch.zeros_like(d)
+    return Int4Weight(pack_int4(q), d, zero, 32)
+
+
+class GGUFRows(nn.Module):
+    """An embedding table held as the file's own quantized rows: a lookup dequantizes the rows it reads
+    (float32), so the table costs its file bytes, mapped, and nothing more."""
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        super().__init__()
+        self.raw = _raw_rows(tensor)
+        self.tensor_type, self.in_features = tensor.tensor_type, int(tensor.shape[0])
+        self.out_features = tensor.rows
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.raw.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"token id outside the embedding's {self.out_features} rows")
+        flat = ids.reshape(-1)
+        return quants.dequantize(self.raw[flat], self.tensor_type, self.in_features).view(*ids.shape, -1)

@@ -1,0 +1,398 @@
+// llama.cpp's K-quants at every row count: y[M, N] = x[M, K] @ W[N, K]^T for W in Q4_K, Q5_K or Q6_K, and the
+// repacking of a GGUF file's quantized tensors (those and Q8_0, Q4_0, Q4_1) into the kernels' blocks.
+//
+// A K-quant super-block covers 256 inputs of one row: Q4_K and Q5_K hold 8 sub-blocks of 32 with 6-bit scales
+// and mins under a float16 d and dmin (w = d sc q - dmin m, q 4 or 5 bits), Q6_K 16 sub-blocks of 16 with int8
+// scales under one d (w = d sc (q - 32), q 6 bits). GGUF stores each row's super-blocks one after another;
+// here 16 rows go side by side (as gemv_int4.cpp's INT4 blocks, whose chunk layout the low nibbles keep), so one
+// 32-byte load feeds 8 rows x 4 inputs to an unsigned x signed byte dot product against 4 broadcast activation
+// bytes, and a thread streams one contiguous run. A group's record for each super-block:
+//   Q4_K (2432 B): 8 x 256 B of nibbles (per 32 inputs, 4 chunks of 64 B: byte 4 r + j of chunk t holds row r's
+//                  input 8 t + j in its low nibble and 8 t + 4 + j in its high nibble); sc [8][16] u8;
+//                  m [8][16] u8; d [16] f32; dmin [16] f32.
+//   Q5_K (2944 B): per 32 inputs the 256 B of nibbles then 64 B of fifth bits (byte 4 r + j: bit 2 t for input
+//                  8 t + j, bit 2 t + 1 for 8 t + 4 + j); then sc, m, d, dmin as Q4_K.
+//   Q6_K (3392 B): per 32 inputs the 256 B of low nibbles then 2 x 64 B of high bit pairs (byte 4 r + j of the
+//                  first: bits 2 f, 2 f + 1 for field f = 2 t + s of chunks t = 0, 1, s = 0 for the low input,
+//                  1 for the high; the second the same for chunks 2, 3); sc [16][16] int8; d [16] f32.
+// The float16 scales are widened to float32 and the 6-bit ones kept as integers: nothing is rounded, so a
+// weight here is the GGUF weight exactly (tests hold the kernel to the dequantized tensor). That costs
+// 4.75 / 5.75 / 6.63 bits a weight against GGUF's 4.5 / 5.5 / 6.56.
+//
+// Activations are INT8 in blocks of 32 (quantize_rows, as the INT4 and INT8 kernels take them); a block's integer
+// sums are exact and scaled once in float32, and every output row's sum runs in the same order whatever M is.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace llmaccel {
+namespace {
+
+constexpr int64_t kSuper = 256;
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;            // GGML type numbers
+constexpr int64_t kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3;
+constexpr int64_t kNibbles = 256;                              // a 32-input block's nibbles, 16 rows
+
+int64_t block_bytes(int64_t kind) { return kind == kQ4K ? 256 : kind == kQ5K ? 320 : 384; }  // per 32 inputs
+int64_t record_bytes(int64_t kind) { return 8 * block_bytes(kind) + (kind == kQ6K ? 256 + 64 : 256 + 128); }
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// ---- the kernels ----------------------------------------------------------------------------------------
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 widen_s8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <int Shift>
+inline __m256i bits_to(__m256i v, __m256i mask) {  // (v shifted left by Shift, or right by -Shift) & mask
+  if constexpr (Shift > 0) return _mm256_and_si256(_mm256_slli_epi16(v, Shift), mask);
+  else if constexpr (Shift < 0) return _mm256_and_si256(_mm256_srli_epi16(v, -Shift), mask);
+  else return _mm256_and_si256(v, mask);
+}
+
+// u8 x s8 products of one 32-byte chunk against 4 broadcast activation bytes, summed in pairs into int16 lanes
+// (maddubs; a pair is at most 2 x 63 x 127 < 2^15). Several are added in int16 before one madd widens them:
+// a Q4 code sums 8 pairs to at most 30480, a Q5 code 4, a Q6 code 2, all below 2^15.
+inline __m256i pair_products(__m256i u, const int32_t* x4) {
+  return _mm256_maddubs_epi16(u, _mm256_set1_epi32(*x4));
+}
+
+// One group of 16 weight rows (8 a half) against activation rows i0 .. i0 + rows - 1: their sums into y. Each
+// 32-byte chunk is unpacked once for the MR rows of a pass; the rows' integer sums stay in registers.
+template <int64_t Kind, int MR>
+void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int64_t k, int64_t i0, int rows,
+                float* y, int64_t ldy, int64_t cols) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t nb = k / kBlock, record = record_bytes(Kind), bb = block_bytes(Kind);
+  const int8_t* xq[MR];
+  for (int r = 0; r < MR; ++r) xq[r] = a.q.data() + (i0 + std::min(r, rows - 1)) * k;  // (spare lanes repeat a row)
+  for (int64_t half = 0; half < 2 && half * 8 < cols; ++half) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* rec = group + s * record;
+      const uint8_t* tail = rec + 8 * bb;  // scales, then d (and dmin)
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(tail + 256) + 8 * half);
+      for (int64_t sb = 0; sb < 8; ++sb) {
+        const uint8_t* block = rec + sb * bb;
+        const int64_t b = s * 8 + sb;
+        __m256i dot[MR][2];
+        for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        __m256i wide[MR];  // int16 sums not yet widened
+        for (int t = 0; t < 4; ++t) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
+          __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          if constexpr (Kind == kQ5K) {  // the fifth bits: bit 2 t for the low input, 2 t + 1 for the high
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbles + 32 * half));
+            const __m256i bit = _mm256_set1_epi8(0x10);
+            if (t == 0) lo = _mm256_or_si256(lo, bits_to<4>(h, bit)), hi = _mm256_or_si256(hi, bits_to<3>(h, bit));
+            if (t == 1) lo = _mm256_or_si256(lo, bits_to<2>(h, bit)), hi = _mm256_or_si256(hi, bits_to<1>(h, bit));
+            if (t == 2) lo = _mm256_or_si256(lo, bits_to<0>(h, bit)), hi = _mm256_or_si256(hi, bits_to<-1>(h, bit));
+            if (t == 3) lo = _mm256_or_si256(lo, bits_to<-2>(h, bit)), hi = _mm256_or_si256(hi, bits_to<-3>(h, bit));
+          }
+          if constexpr (Kind == kQ6K) {  // the high bit pairs of chunks 0, 1 (then 2, 3): fields 2 (t % 2) + s
+            const __m256i h = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(block + kNibbles + 64 * (t / 2) + 32 * half));
+            const __m256i pairs = _mm256_set1_epi8(0x30);
+            if (t % 2 == 0) lo = _mm256_or_si256(lo, bits_to<4>(h, pairs)), hi = _mm256_or_si256(hi, bits_to<2>(h, pairs));
+            else lo = _mm256_or_si256(lo, bits_to<0>(h, pairs)), hi = _mm256_or_si256(hi, bits_to<-2>(h, pairs));
+          }
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[r] + b * kBlock) + 2 * t;
+            const __m256i pair = _mm256_add_epi16(pair_products(lo, x4), pair_products(hi, x4 + 1));
+            if constexpr (Kind == kQ4K) {
+              wide[r] = t == 0 ? pair : _mm256_add_epi16(wide[r], pair);
+              if (t == 3) dot[r][0] = _mm256_madd_epi16(wide[r], ones);
+            } else if constexpr (Kind == kQ5K) {
+              wide[r] = t % 2 == 0 ? pair : _mm256_add_epi16(wide[r], pair);
+              if (t % 2 == 1) dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(wide[r], ones));
+            } else {  // Q6_K: inputs 0..15 (chunks 0, 1) and 16..31 (chunks 2, 3) have scales of their own
+              dot[r][t / 2] = _mm256_add_epi32(dot[r][t / 2], _mm256_madd_epi16(pair, ones));
+            }
+          }
+        }
+        if constexpr (Kind == kQ6K) {
+          const __m256 sc0 = _mm256_mul_ps(widen_s8(tail + (2 * sb) * 16 + 8 * half), d);
+          const __m256 sc1 = _mm256_mul_ps(widen_s8(tail + (2 * sb + 1) * 16 + 8 * half), d);
+          for (int r = 0; r < MR; ++r) {
+            const int64_t i = i0 + std::min(r, rows - 1);
+            const int32_t* sums16 = a.qsum16.data() + 2 * (i * nb + b);
+            const __m256 dx = _mm256_set1_ps(a.d[i * nb + b]);
+            const __m256i v0 = _mm256_sub_epi32(dot[r][0], _mm256_set1_epi32(32 * sums16[0]));
+            const __m256i v1 = _mm256_sub_epi32(dot[r][1], _mm256_set1_epi32(32 * sums16[1]));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc0, dx), _mm256_cvtepi32_ps(v0), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, dx), _mm256_cvtepi32_ps(v1), acc[r]);
+          }
+        } else {
+          const __m256 scale = _mm256_mul_ps(widen_u8(tail + sb * 16 + 8 * half), d);
+          const __m256 offset = _mm256_mul_ps(
+              widen_u8(tail + 128 + sb * 16 + 8 * half),
+              _mm256_loadu_ps(reinterpret_cast<const float*>(tail + 320) + 8 * half));
+          for (int r = 0; r < MR; ++r) {
+            const int64_t i = i0 + std::min(r, rows - 1);
+            const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b]));
+            acc[r] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot[r][0]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, acc[r]);
+      std::memcpy(y + (i0 + r) * ldy + 8 * half, sums, std::min<int64_t>(8, cols - 8 * half) * sizeof(float));
+    }
+  }
+}
+constexpr int kPassRows = 4;
+
+#else
+// The same arithmetic in plain C++, one activation row at a time.
+inline int code(int64_t kind, const uint8_t* block, int64_t row, int64_t input) {
+  const int64_t t = input / 8, s = (input % 8) / 4, j = input % 4;
+  const uint8_t byte = block[64 * t + 4 * row + j];
+  int q = s ? byte >> 4 : byte & 0x0F;
+  if (kind == kQ5K) q |= ((block[kNibbles + 4 * row + j] >> (2 * t + s)) & 1) << 4;
+  if (kind == kQ6K) q |= ((block[kNibbles + 64 * (t / 2) + 4 * row + j] >> (2 * (2 * (t % 2) + s))) & 3) << 4;
+  return q;
+}
+
+template <int64_t Kind, int MR>
+void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int64_t k, int64_t i0, int rows,
+                float* y, int64_t ldy, int64_t cols) {
+  const int64_t nb = k / kBlock, record = record_bytes(Kind), bb = block_bytes(Kind);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    for (int64_t row = 0; row < cols; ++row) {
+      float acc = 0.0f, off = 0.0f;
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* rec = group + s * record;
+        const uint8_t* tail = rec + 8 * bb;
+        float d, dmin = 0.0f;
+        std::memcpy(&d, tail + 256 + 4 * row, 4);
+        if (Kind != kQ6K) std::memcpy(&dmin, tail + 320 + 4 * row, 4);
+        for (int64_t sb = 0; sb < 8; ++sb) {
+          const int64_t b = s * 8 + sb;
+          const int8_t* xq = a.q.data() + i * k + b * kBlock;
+          int32_t dots[2] = {0, 0};
+          for (int64_t in = 0; in < kBlock; ++in) dots[in / 16] += code(Kind, rec + sb * bb, row, in) * xq[in];
+          if (Kind == kQ6K) {
+            const int32_t* sums16 = a.qsum16.data() + 2 * (i * nb + b);
+            const float dx = a.d[i * nb + b];
+            acc += static_cast<int8_t>(tail[(2 * sb) * 16 + row]) * d * dx * static_cast<float>(dots[0] - 32 * sums16[0]);
+            off += static_cast<int8_t>(tail[(2 * sb + 1) * 16 + row]) * d * dx *
+                   static_cast<float>(dots[1] - 32 * sums16[1]);
+          } else {
+            acc += tail[sb * 16 + row] * d * a.d[i * nb + b] * static_cast<float>(dots[0] + dots[1]);
+            off += tail[128 + sb * 16 + row] * dmin * a.dsum[i * nb + b];
+          }
+        }
+      }
+      y[i * ldy + row] = Kind == kQ6K ? acc + off : acc - off;
+    }
+  }
+}
+constexpr int kPassRows = 1;
+#endif
+
+template <int64_t Kind>
+void groups_of(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
+               int64_t g0, int64_t g1) {
+  const int64_t supers = k / kSuper, record = record_bytes(Kind);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = blocks + g * supers * record;
+    const int64_t cols = std::min(kGroupRows, n - g * kGroupRows);
+    for (int64_t i0 = 0; i0 < m; i0 += kPassRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kPassRows, m - i0));
+      float* out = y + g * kGroupRows;
+      if (kPassRows >= 4 && rows == 4) group_pass<Kind, 4>(a, group, supers, k, i0, rows, out, ldy, cols);
+      else if (kPassRows >= 3 && rows == 3) group_pass<Kind, 3>(a, group, supers, k, i0, rows, out, ldy, cols);
+      else if (kPassRows >= 2 && rows == 2) group_pass<Kind, 2>(a, group, supers, k, i0, rows, out, ldy, cols);
+      else group_pass<Kind, 1>(a, group, supers, k, i0, rows, out, ldy, cols);
+    }
+  }
+}
+
+// ---- repacking a GGUF tensor -----------------------------------------------------------------------------
+
+// Q4_K/Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes (llama.cpp's get_scale_min_k4).
+inline void scale_min(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 256 codes of one GGUF super-block (q, before any offset) into codes[256].
+void super_codes(int64_t kind, const uint8_t* src, uint8_t* codes) {
+  if (kind == kQ6K) {
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, ep = e % 128;
+      const int low = (src[h * 64 + ep % 64] >> (4 * (ep / 64))) & 0x0F;
+      const int high = (src[128 + h * 32 + ep % 32] >> (2 * (ep / 32))) & 3;
+      codes[e] = static_cast<uint8_t>(low | (high << 4));
+    }
+    return;
+  }
+  const uint8_t* qs = src + (kind == kQ4K ? 16 : 48);
+  for (int j = 0; j < 8; ++j)
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+      if (kind == kQ5K) q |= ((src[16 + l] >> j) & 1) << 4;
+      codes[32 * j + l] = static_cast<uint8_t>(q);
+    }
+}
+
+// Row r's 32 codes of one block into the chunk layout: nibbles, and the bits above them for Q5_K / Q6_K.
+void place_block(int64_t kind, const uint8_t* q, int64_t r, uint8_t* block) {
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t low = q[8 * t + j], high = q[8 * t + 4 + j];
+      block[64 * t + 4 * r + j] = static_cast<uint8_t>((low & 0x0F) | ((high & 0x0F) << 4));
+      if (kind == kQ5K)
+        block[kNibbles + 4 * r + j] |= static_cast<uint8_t>((((low >> 4) & 1) << (2 * t)) | (((high >> 4) & 1) << (2 * t + 1)));
+      if (kind == kQ6K) {
+        uint8_t& bits = block[kNibbles + 64 * (t / 2) + 4 * r + j];
+        bits |= static_cast<uint8_t>((((low >> 4) & 3) << (2 * (2 * (t % 2)))) | (((high >> 4) & 3) << (2 * (2 * (t % 2) + 1))));
+      }
+    }
+}
+
+// One K-quant super-block of row r (GGUF bytes `src`) into the group's record.
+void place_super(int64_t kind, const uint8_t* src, int64_t r, uint8_t* rec) {
+  uint8_t codes[256];
+  super_codes(kind, src, codes);
+  const int64_t bb = block_bytes(kind);
+  for (int sb = 0; sb < 8; ++sb) place_block(kind, codes + 32 * sb, r, rec + sb * bb);
+  uint8_t* tail = rec + 8 * bb;
+  if (kind == kQ6K) {
+    for (int j = 0; j < 16; ++j) tail[j * 16 + r] = src[192 + j];
+    const float d = half_to_float(src + 208);
+    std::memcpy(tail + 256 + 4 * r, &d, 4);
+    return;
+  }
+  for (int j = 0; j < 8; ++j) scale_min(j, src + 4, tail[j * 16 + r], tail[128 + j * 16 + r]);
+  const float d = half_to_float(src), dmin = half_to_float(src + 2);
+  std::memcpy(tail + 256 + 4 * r, &d, 4);
+  std::memcpy(tail + 320 + 4 * r, &dmin, 4);
+}
+
+// Q8_0 / Q4_0 / Q4_1 block of row r (GGUF bytes `src`, 32 weights) into gemv.cpp's INT8 block (576 B: weights + 128,
+// then 16 float32 scales) or gemv_int4.cpp's INT4 block (320 B: nibbles, 16 float16 scales, 16 float16 offsets).
+void place_block32(int64_t type, const uint8_t* src, int64_t r, uint8_t* block) {
+  if (type == kQ8_0) {
+    for (int t = 0; t < 8; ++t)
+      for (int j = 0; j < 4; ++j) block[64 * t + 4 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(src[2 + 4 * t + j]) + 128);
+    const float d = half_to_float(src);
+    std::memcpy(block + 512 + 4 * r, &d, 4);
+    return;
+  }
+  const uint8_t* qs = src + (type == kQ4_0 ? 2 : 4);
+  uint8_t q[32];
+  for (int l = 0; l < 16; ++l) {
+    q[l] = qs[l] & 0x0F;
+    q[l + 16] = qs[l] >> 4;
+  }
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j) block[64 * t + 4 * r + j] = static_cast<uint8_t>(q[8 * t + j] | (q[8 * t + 4 + j] << 4));
+  // w = q * scale + offset: Q4_1's d and m as they are; Q4_0's d and -8 d (exact in float16)
+  std::memcpy(block + 256 + 2 * r, src, 2);
+  if (type == kQ4_1) {
+    std::memcpy(block + 288 + 2 * r, src + 2, 2);
+  } else {
+    const c10::Half offset(-8.0f * half_to_float(src));
+    std::memcpy(block + 288 + 2 * r, &offset.x, 2);
+  }
+}
+
+}  // namespace
+
+void check_kq_blocks(const torch::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(kind == kQ4K || kind == kQ5K || kind == kQ6K, "K-quant kind must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                  blocks.size(2) == record_bytes(kind),
+              "blocks must be contiguous uint8 [ceil(N / 16), K / 256, ", record_bytes(kind), "]");
+}
+
+LLMACCEL_ONE_COPY void kq_groups(const QuantizedRows& a, const uint8_t* blocks, int64_t kind, float* y, int64_t ldy,
+                                 int64_t m, int64_t k, int64_t n, int64_t g0, int64_t g1) {
+  if (kind == kQ4K) return groups_of<kQ4K>(a, blocks, y, ldy, m, k, n, g0, g1);
+  if (kind == kQ5K) return groups_of<kQ5K>(a, blocks, y, ldy, m, k, n, g0, g1);
+  return groups_of<kQ6K>(a, blocks, y, ldy, m, k, n, g0, g1);
+}
+
+}  // namespace llmaccel
+
+using namespace llmaccel;
+
+// x [M, K] -> [M, n] float32, for K-quant weights in kquant.cpp's blocks of GGML type `kind`.
+torch::Tensor gemv_kq(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t n) {
+  check_kq_blocks(blocks, kind);
+  check_groups_fit(blocks, n);
+  const int64_t k = blocks.size(1) * kSuper;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t m = xf.size(0);
+  QuantizedRows a;
+  quantize_rows(xf.data_ptr<float>(), m, k, a);
+  auto y = torch::empty({m, n}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const int64_t groups = blocks.size(0), threads = at::get_num_threads();
+  at::parallel_for(0, groups, (groups + threads - 1) / threads,
+                   [&](int64_t g0, int64_t g1) { kq_groups(a, wp, kind, yp, n, m, k, n, g0, g1); });
+  return y;
+}
+
+// A GGUF tensor's bytes raw [R, row bytes] of GGML type `type` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) -> the blocks of
+// llmaccel's kernel for it (gemv_i8 with scales inside, gemv_i4, gemv_kq), output row i taken from raw row
+// rows[i] (llama.cpp's q/k row order undone), rows past R zero. K is the row length in weights.
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, int64_t k) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1,
+              "raw must be uint8 [rows, row bytes] with contiguous rows");
+  const bool super = type == kQ4K || type == kQ5K || type == kQ6K;
+  TORCH_CHECK(super || type == kQ8_0 || type == kQ4_0 || type == kQ4_1, "GGML type ", type, " is not repacked here");
+  const int64_t unit = super ? kSuper : kBlock;
+  const int64_t src_bytes = super ? (type == kQ4K ? 144 : type == kQ5K ? 176 : 210) : (type == kQ8_0 ? 34 : type == kQ4_0 ? 18 : 20);
+  TORCH_CHECK(k % unit == 0 && raw.size(1) == k / unit * src_bytes, "a row of ", k, " weights of type ", type,
+              " is ", k / unit * src_bytes, " bytes, not ", raw.size(1));
+  auto index = rows.to(torch::kInt64).contiguous();
+  const int64_t n = index.numel(), groups = (n + kGroupRows - 1) / kGroupRows, units = k / unit;
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < raw.size(0), "row index ", idx[i], " is outside");
+  const int64_t out_bytes = super ? record_bytes(type) : type == kQ8_0 ? 512 + 4 * kGroupRows : kInt4BlockBytes;
+  auto out = torch::zeros({groups, units, out_bytes}, torch::kUInt8);
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  const int64_t ld = raw.stride(0);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < kGroupRows && g * kGroupRows + r < n; ++r) {
+        const uint8_t* src = rp + idx[g * kGroupRows + r] * ld;
+        for (int64_t u = 0; u < units; ++u) {
+          uint8_t* dst = op + (g * units + u) * out_bytes;
+          if (super)
+            place_super(type, src + u * src_bytes, r, dst);
+          else
+            place_block32(type, src + u * src_bytes, r, dst);
+        }
+      }
+  });
+  return out;
+}

@@ -1,0 +1,202 @@
+"""Every common GGUF tensor type read natively: dequantization bit-equal to the gguf package's, the kernels on
+the repacked blocks against the dequantized weights, a tiny Llama saved as each type against its dequantized
+reference, the half-precision panels against float32 ones, and the named error for a type llmaccel does not read.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from llmaccel.errors import UnsupportedModelError
+from llmaccel.llm import LLM
+from llmaccel.model.gguf import quants
+from llmaccel.model.loader import hf_dir_for
+from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.sampling_params import SamplingParams
+from tests.tiny_gguf import write_gguf
+from tests.tiny_models import hf_greedy
+
+Q = gguf.GGMLQuantizationType
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, *K_TYPES)
+kernels = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "gemv_kq"),
+                                   reason="C++ kernels unavailable on this machine")
+# llama.cpp's Q4_K_M as it treats a llama model: Q4_K, with Q6_K for attn_v / ffn_down in some layers and the head
+Q4_K_M = {"": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "output.weight": Q.Q6_K}
+
+
+def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
+    """float32 [R, K] -> the type's bytes [R, row bytes]."""
+    if qtype in K_TYPES:
+        return quants.quantize_k(values, int(qtype))
+    if qtype == Q.F16:
+        return values.astype(np.float16).view(np.uint8)
+    if qtype == Q.F32:
+        return values.view(np.uint8)
+    return gguf.quants.quantize(values, qtype).reshape(values.shape[0], -1)
+
+
+def _random_k_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw K-quant rows of random bytes (every scale and bit pattern), their float16 fields made finite."""
+    block_bytes = quants.BLOCKS[int(qtype)][1]
+    raw = rng.integers(0, 256, (rows * 2, block_bytes), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, (rows * 2, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[:, 208:210] = halves[:, 0:2]
+    else:
+        raw[:, 0:4] = halves
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, *BLOCK_TYPES])
+def test_dequantization_is_bit_equal_to_the_gguf_packages(qtype):
+    rng = np.random.default_rng(int(qtype))
+    values = (rng.standard_normal((6, 512)) * 0.05).astype(np.float32)
+    values[1] = 0.0
+    values[2, :256] = 3.0
+    raw = _encode(values, qtype)
+    ours = quants.dequantize(torch.from_numpy(np.ascontiguousarray(raw)), int(qtype), 512).numpy()
+    reference = gguf.quants.dequantize(raw.view(np.float16) if qtype == Q.F16 else raw, qtype).reshape(6, 512)
+    np.testing.assert_array_equal(ours, reference)
+    if qtype in K_TYPES:  # and on bytes no quantizer wrote: every 6-bit scale and min, every high bit
+        raw = _random_k_blocks(qtype, 6, rng)
+        np.testing.assert_array_equal(quants.dequantize(torch.from_numpy(raw), int(qtype), 512).numpy(),
+                                      gguf.quants.dequantize(raw, qtype).reshape(6, 512))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_the_k_quant_writer_round_trips_within_its_step(qtype):
+    values = (np.random.default_rng(3).standard_normal((4, 256)) * 0.05).astype(np.float32)
+    back = gguf.quants.dequantize(quants.quantize_k(values, int(qtype)), qtype).reshape(4, 256)
+    levels = {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 62}[qtype]
+    step = (values.max() - values.min()) / levels
+    assert np.abs(back - values).max() <= step
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: INT8 per 32 inputs, d = max|x| / 127, round to nearest."""
+    blocks = x.view(x.shape[0], -1, 32).double()
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks)) * d).view_as(x)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_the_kernels_multiply_by_the_files_own_weights(qtype):
+    """Repacked (rows reordered as q/k are) and multiplied at 1 to 70 rows, 40 outputs (the last group of 16 part
+    full): the float64 product of the quantized activations and the dequantized weights, to float32 rounding;
+    random K-quant bytes included."""
+    rng = np.random.default_rng(7)
+    n, k = 40, 512
+    raw = (_random_k_blocks(qtype, n, rng) if qtype in K_TYPES
+           else _encode(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    raw_t = torch.from_numpy(np.ascontiguousarray(raw))
+    order = torch.from_numpy(rng.permutation(n))
+    weight = quants.dequantize(raw_t, int(qtype), k).double()[order]
+    blocks = kernels.gguf_repack(raw_t, int(qtype), order, k)
+    for rows in (1, 3, 5, 70):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        if qtype in K_TYPES:
+            got = kernels.gemv_kq(x, blocks, int(qtype), n)
+        elif qtype == Q.Q8_0:
+            got = kernels.gemv_i8(x, blocks, None, n)
+        else:
+            got = kernels.gemv_i4(x, blocks, n)
+        want = _quantized_activations(x) @ weight.t()
+        assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max(), rows
+        one = kernels.gemv_kq(x[-1:], blocks, int(qtype), n) if qtype in K_TYPES else None
+        if one is not None:  # a row's result does not depend on the rows beside it
+            assert torch.equal(one[0], got[-1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_panels_give_the_float32_panels_sums_to_the_bit(dtype):
+    from llmaccel.ops.gemv import to_panels
+
+    weight = torch.randn(40, 96).to(dtype)
+    for rows in (1, 6, 37):
+        x = torch.randn(rows, 96)
+        half = kernels.linear_f32(x, to_panels(weight), 40)
+        assert torch.equal(half, kernels.linear_f32(x, to_panels(weight.float()), 40))
+
+
+# ---- a tiny Llama as a GGUF file of each type ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama256(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama whose rows are whole K-quant super-blocks (hidden 256, intermediate 512; GQA, untied head)."""
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False, rope_theta=10000.0,
+                         bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
+                         pad_token_id=tiny_tokenizer.pad_token_id)
+    torch.manual_seed(11)
+    out = tmp_path_factory.mktemp("llama256")
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _write(source, tmp_path, qtype, tokenizer, name="tiny"):
+    config = json.loads((source / "config.json").read_text())
+    return write_gguf(source, tmp_path / f"{name}.gguf", qtype, config, tokenizer)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, "Q4_K_M"])
+def test_a_tiny_llama_saved_as_each_type_matches_its_dequantized_reference(llama256, tmp_path, tiny_tokenizer, qtype):
+    """Read in place with its own tensors (--quantization gguf), the file scores text as the dense model of its
+    dequantized weights does (the kernels' INT8 activations aside); read dense, it is that model, HF's greedy
+    tokens on the converted directory. No converted copy is made for llmaccel itself."""
+    from llmaccel.model.gguf.weights import GGUFRows
+    from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
+
+    path = _write(llama256, tmp_path, Q4_K_M if qtype == "Q4_K_M" else qtype, tiny_tokenizer)
+    native = LLM(str(path), quantization="gguf")
+    cache = tmp_path / "cache"
+    assert not (cache / "gguf").exists()  # read in place: only the small files directory
+    model = native.engine.runner.model
+    if qtype in (Q.F16, Q.BF16):
+        assert model.layers[0].qkv.panels.dtype == {Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+    else:
+        assert isinstance(model.embedding, GGUFRows)
+    if qtype in K_TYPES:
+        assert all(isinstance(m, KQuantLinear) for m in model.layers[0].projections)
+    if qtype == "Q4_K_M":
+        assert isinstance(model.layers[0].qkv, ConcatLinear) and isinstance(model.lm_head, KQuantLinear)
+        assert model.lm_head.layout == "q6_k"
+    ids = tiny_tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界", add_special_tokens=False)
+    dense = LLM(str(path), quantization=None)
+    native_scores, dense_scores = torch.tensor(native.engine.score(ids)), torch.tensor(dense.engine.score(ids))
+    tolerance = 0 if qtype in (Q.F16, Q.BF16) else 0.05  # half panels widen exactly: the same sums
+    assert (native_scores - dense_scores).abs().max() <= tolerance
+    prompt = tiny_tokenizer.encode("The quick brown fox")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert dense.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf_dir_for(str(path)), prompt, 16)
+
+
+@needs_kernels
+def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(llama256, tmp_path, tiny_tokenizer):
+    from tests.test_decode_stack import _prompts, _stack_against_layers
+
+    path = _write(llama256, tmp_path, {**Q4_K_M, "ffn_up.weight": Q.Q5_K}, tiny_tokenizer)
+    _stack_against_layers(LLM(str(path), quantization="gguf"), _prompts(), tokens=12)
+
+
+def test_an_unsupported_tensor_type_is_a_named_error(llama256, tmp_path, tiny_tokenizer):
+    path = _write(llama256, tmp_path, {"": Q.Q8_0, "ffn_gate.weight": Q.Q5_0}, tiny_tokenizer)
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate\.weight is Q5_0.*Q4_K_M"):
+        LLM(str(path), quantization="gguf")

@@ -74,7 +74,7 @@ def test_permutation_round_trip():
     from tests.tiny_gguf import permute
 
     w = np.arange(8 * 3 * 4, dtype=np.float32).reshape(8 * 3, 4)
-    config = {"num_attention_heads": 3, "num_key_value_heads": 3}
+    config = {"model_type": "llama", "num_attention_heads": 3, "num_key_value_heads": 3}
     assert np.array_equal(unpermute_rows(permute(w, 3), "blk.0.attn_q.weight", config), w)
     assert np.array_equal(unpermute_rows(w, "blk.0.attn_v.weight", config), w)
 

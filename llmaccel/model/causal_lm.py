@@ -87,9 +87,12 @@ class WeightLoader:
             return ConcatLinear(parts, bias)
         return self.dense(names, bias, name)
 
-    def dense(self, names: list[str], bias: torch.Tensor | None, name: str) -> nn.Module:
-        """A dense (or load-time quantized) projection. In a float32 CPU model, bfloat16 / float16 checkpoint
-        weights stay in their dtype (half-precision panels, widened as they are read: model/layers.Linear)."""
+    def dense(self, names: list[str], bias: torch.Tensor | None, name: str, quantize: bool = True) -> nn.Module:
+        """A dense projection, or quantized at load (`quantization`, unless not `quantize`: the tables). In a
+        float32 CPU model, bfloat16 / float16 checkpoint weights stay in their dtype (half-precision panels,
+        widened as they are read: model/layers.Linear)."""
+        if not quantize and self.quantization is not None:
+            return Linear(self.cat(names), bias)
         stored = [self.stored(n) for n in names]
         if (self.quantization is None and self.dtype == torch.float32 and self.device.type == "cpu"
                 and len({t.dtype for t in stored}) == 1 and stored[0].dtype in (torch.bfloat16, torch.float16)):
@@ -182,14 +185,14 @@ class CausalLM(nn.Module):
         if quantize_embedding or self.embed_name in take.prequantized:
             self.embedding = take.int8_table(self.embed_name)
         elif tied:
-            table = Linear(take(self.embed_name))
+            table = take.dense([self.embed_name], None, self.embed_name, quantize=False)
             self.embedding = table if table.has_rows else Embedding(take(self.embed_name))
         else:
             self.embedding = Embedding(take(self.embed_name))
         if tied:
             self.lm_head = table if isinstance(self.embedding, Embedding) else self.embedding
         elif isinstance(self.embedding, Embedding):
-            self.lm_head = Linear(take(self.head_name))
+            self.lm_head = take.dense([self.head_name], None, self.head_name, quantize=False)
         else:
             self.lm_head = take.int8_table(self.head_name)
 

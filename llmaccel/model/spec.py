@@ -122,6 +122,9 @@ def eos_ids(eos: object) -> tuple[int, ...]:
 def rope_parameters(config: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
     """(theta, scaling or None) from `rope_parameters` (transformers 5, per layer type where it is keyed so)
     or the older `rope_theta` + `rope_scaling`."""
+    if config.get("llmaccel_rope_freq_factors"):  # a GGUF file's rope_freqs (model/gguf/names.py)
+        return float(config.get("rope_theta", 10000.0)), {"rope_type": "freq_factors",
+                                                           "factors": config["llmaccel_rope_freq_factors"]}
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # keyed by layer type (Gemma 3)
         rope = rope.get(layer_type or "full_attention", {})

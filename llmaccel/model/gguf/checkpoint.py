@@ -1,4 +1,4 @@
-"""A llama-architecture GGUF file as a checkpoint, read in place: no converted copy of its weights.
+"""A llama- or qwen2-architecture GGUF file as a checkpoint, read in place: no converted copy of its weights.
 
 The weights stay in the mapped file (model/gguf/weights.py). What the rest of llmaccel reads from a directory,
 config.json, the tokenizer and generation_config.json, is written once into a small directory in the cache,
@@ -20,7 +20,7 @@ from llmaccel.model.gguf.reader import GGUFFile
 from llmaccel.model.gguf.weights import GGUFWeights
 
 logger = logging.getLogger(__name__)
-NATIVE_ARCHITECTURES = ("llama",)  # read in place; others go through gguf/convert.py
+NATIVE_ARCHITECTURES = ("llama", "qwen2")  # read in place; others go through gguf/convert.py
 
 
 def files_dir(file: GGUFFile, config: dict, cache_root: Path) -> Path:
@@ -53,7 +53,8 @@ def files_dir(file: GGUFFile, config: dict, cache_root: Path) -> Path:
 
 
 def gguf_model(path: Path, cache_root: Path) -> tuple[Path, dict, GGUFWeights]:
-    """(the directory of config and tokenizer files, config.json's contents, the weights) of a llama GGUF file."""
+    """(the directory of config and tokenizer files, config.json's contents, the weights) of a GGUF file read in
+    place."""
     file = GGUFFile(path)
     config = llama_config(file)
     weights = GGUFWeights(file, config)

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # transformers' GGUF loader)
 # gguf files of the other families are not read yet: their GGUF metadata lacks fields (Qwen3's head_dim) that
 # transformers' GGUF loader does not map, untested here; convert their HF checkpoints instead
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 
 
@@ -54,7 +54,7 @@ def gguf_to_hf_dir(path: Path, cache_root: Path) -> Path:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                     f"llmaccel reads {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    if arch == "llama":
+    if arch in ("llama", "qwen2"):
         config = llama_config(file)
         weights = GGUFWeights(file, config)
         if "model.embed_tokens.weight" not in weights:

@@ -46,8 +46,21 @@ def unpermute_index(rows: int, num_heads: int) -> np.ndarray:
     return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
+def permutation(gguf_name: str, rows: int, num_heads: int, num_kv_heads: int) -> np.ndarray | None:
+    """What llama.cpp's converter does to a llama q/k tensor: its row r is HF's row permutation[r] (None for
+    every other tensor)."""
+    kind = gguf_name.split(".")[-2]
+    if kind not in ("attn_q", "attn_k"):
+        return None
+    heads = num_heads if kind == "attn_q" else num_kv_heads
+    return np.argsort(unpermute_index(rows, heads))
+
+
 def row_order(gguf_name: str, rows: int, config: dict) -> np.ndarray | None:
-    """The source row of each HF row for q and k tensors (weights, biases), None for every other tensor."""
+    """The source row of each HF row for a llama file's q and k tensors (weights, biases), None for every other
+    tensor (and for every tensor of a qwen2 file: its converter keeps HF's order)."""
+    if config.get("model_type") != "llama":
+        return None
     kind = gguf_name.split(".")[-2]
     if kind == "attn_q":
         return unpermute_index(rows, config["num_attention_heads"])
@@ -62,9 +75,17 @@ def unpermute_rows(values: np.ndarray, gguf_name: str, config: dict) -> np.ndarr
     return values if order is None else values[order]
 
 
+FREQ_FACTORS_KEY = "llmaccel_rope_freq_factors"
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
 def llama_config(metadata: GGUFFile) -> dict:
-    """The config.json a llama-architecture GGUF file's metadata stands for."""
-    arch, path = "llama", metadata.path
+    """The config.json a llama- or qwen2-architecture GGUF file's metadata stands for."""
+    arch, path = metadata.architecture, metadata.path
+    if arch not in ARCHITECTURES:
+        raise CorruptCheckpointError(f"{path}: GGUF architecture {arch!r} is not read in place "
+                                     f"({', '.join(ARCHITECTURES)} are)")
+    architecture, model_type = ARCHITECTURES[arch]
 
     def need(key: str):
         value = metadata.get(f"{arch}.{key}")
@@ -78,8 +99,8 @@ def llama_config(metadata: GGUFFile) -> dict:
         raise CorruptCheckpointError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or the "
                                      "tokenizer's token list)")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": int(need("embedding_length")),
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
@@ -97,23 +118,13 @@ def llama_config(metadata: GGUFFile) -> dict:
     head_dim = metadata.get(f"{arch}.attention.key_length")
     if head_dim is not None and int(head_dim) != config["hidden_size"] // num_heads:
         config["head_dim"] = int(head_dim)
-    scaling = _rope_scaling(metadata, arch)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def _rope_scaling(metadata: GGUFFile, arch: str) -> dict | None:
-    """llama.cpp's rope scaling -> HF's rope_scaling: linear from the metadata keys; Llama 3's as llama.cpp's
-    converter stores it, a `rope_freqs` tensor of per-frequency divisors (read here as they are)."""
     freqs = metadata.tensors.get("rope_freqs.weight")
-    if freqs is not None:
+    if freqs is not None:  # Llama 3's scaling as llama.cpp's converter stores it: per-frequency divisors
         from llmaccel.model.gguf.quants import dequantize
 
         factors = dequantize(torch.from_numpy(freqs.data).view(1, -1), freqs.tensor_type, int(freqs.shape[0]))
-        return {"rope_type": "freq_factors", "factors": [float(f) for f in factors[0]]}
-    kind = metadata.get(f"{arch}.rope.scaling.type")
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
+        config[FREQ_FACTORS_KEY] = [float(f) for f in factors[0]]  # (a key transformers leaves alone)
+    kind, factor = metadata.get(f"{arch}.rope.scaling.type"), metadata.get(f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor:
-        return {"rope_type": "linear", "factor": float(factor)}
-    return None
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return config

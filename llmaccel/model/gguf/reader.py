@@ -131,6 +131,22 @@ class GGUFFile:
             data = self.buffer[start + offset:start + offset + nbytes]
             self.tensors[name] = GGUFTensor(name, shape, tensor_type, data)
 
+    def release(self, tensor: GGUFTensor | None = None) -> None:
+        """Hands the mapped pages of `tensor` (or of the whole file) back to the page cache: a tensor read once at
+        load (repacked, or copied) then costs no resident memory in this process; a later read maps it again."""
+        import mmap
+
+        region = getattr(self.buffer, "_mmap", None)
+        if region is None or not hasattr(region, "madvise"):
+            return
+        base = self.buffer.ctypes.data - self.buffer.offset  # where the mapping starts
+        start, end = (0, len(self.buffer)) if tensor is None else (
+            tensor.data.ctypes.data - base, tensor.data.ctypes.data - base + tensor.data.nbytes)
+        page = mmap.PAGESIZE
+        start, end = -(-start // page) * page, end // page * page  # whole pages inside the range only
+        if end > start:
+            region.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def get(self, key: str, default: object = None) -> object:
         value = self.metadata.get(key, default)
         return default if isinstance(value, ArrayValue) else value

@@ -71,11 +71,12 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._by_name[name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        if tensor.tensor_type in _TORCH_DENSE:
-            values = torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(shape)
+        if tensor.tensor_type in _TORCH_DENSE:  # a copy: nothing the model keeps holds the mapping
+            values = torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(shape).clone()
         else:
             values = quants.dequantize(_raw_rows(tensor), tensor.tensor_type, int(tensor.shape[0])).view(shape)
         order = self.order(name)
+        self.file.release(tensor)
         return values if order is None else values[torch.from_numpy(order)]
 
     def __iter__(self) -> Iterator[str]:
@@ -124,6 +125,7 @@ class PackedTensors(Mapping[str, object]):
         kernels = _kernels() if self.cpu_kernels else None
         if kernels is not None:
             blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k)
+            self.weights.file.release(tensor)
             layout = {quants.Q8_0: "int8", quants.Q4_0: "int4", quants.Q4_1: "int4"}.get(
                 tensor.tensor_type, quants.NAMES[tensor.tensor_type].lower())
             return PackedWeight(layout, blocks, n, k)

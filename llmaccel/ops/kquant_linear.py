@@ -4,7 +4,7 @@ A GGUF file's K-quant tensor is repacked once at load into csrc/kquant.cpp's blo
 6-bit scales kept as integers, d and dmin widened to float32: every weight exactly the file's) and multiplied
 there at every row count, activations quantized to INT8 per 32 inputs as the INT4/INT8 kernels take them.
 Measured on a 2-core AMD EPYC Zen 3 (AVX2) at [8192 x 2048]: one row streams Q4_K at ~37 GB/s, 64 rows run at
-~240 GFLOP/s (float32 weights: ~150). Without the CPU kernels (CUDA, no compiler) the loader dequantizes
+~250 GFLOP/s (float32 weights: ~150). Without the CPU kernels (CUDA, no compiler) the loader dequantizes
 K-quant tensors instead (model/gguf/weights.py).
 """
 

@@ -81,62 +81,46 @@ constexpr int kPassRows = 4;  // 8 weight registers + 3 accumulators a row: 20 o
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LLMACCEL_I4_AVX2 1
-// u8 x s8 products summed four at a time into the int32 lanes of acc (maddubs cannot saturate here:
-// 2 x 15 x 127 < 2^15).
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// As the AVX-512 pass, one half of the group's rows (8 lanes) at a time.
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t k, int64_t i0, int rows,
                 float* y, int64_t ldy, int64_t cols) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t half = 0; half < 2 && half * 8 < cols; ++half) {
-    __m256 even[MR], odd[MR], off[MR];
-    for (int r = 0; r < MR; ++r) even[r] = odd[r] = off[r] = _mm256_setzero_ps();
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* block = group + b * kInt4BlockBytes;
-      __m256i lo[4], hi[4];
+      if (half == 0) prefetch_ahead(block, kInt4BlockBytes);
+      __m256i wide[MR];
       for (int t = 0; t < 4; ++t) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
-        lo[t] = _mm256_and_si256(v, nibble);
-        hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.q.data() + (i0 + r) * k + b * kBlock) + 2 * t;
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[0])),
+                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[1])));
+          wide[r] = t == 0 ? pair : _mm256_add_epi16(wide[r], pair);
+        }
       }
       const auto* halves = reinterpret_cast<const __m128i*>(block + kScaleAt + 16 * half);
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(halves));
       const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2));
       for (int r = 0; r < MR; ++r) {
-        if (r == rows) break;
         const int64_t i = i0 + r;
-        int32_t x4[8];
-        std::memcpy(x4, a.q.data() + i * k + b * kBlock, sizeof(x4));
-        __m256i dot_lo = _mm256_setzero_si256(), dot_hi = _mm256_setzero_si256();
-        for (int t = 0; t < 4; ++t) {
-          dot_lo = dot_add(dot_lo, lo[t], _mm256_set1_epi32(x4[2 * t]));
-          dot_hi = dot_add(dot_hi, hi[t], _mm256_set1_epi32(x4[2 * t + 1]));
-        }
-        const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b]));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(dot_lo, dot_hi));
-        if (b & 1)
-          odd[r] = _mm256_fmadd_ps(ds, dot, odd[r]);
-        else
-          even[r] = _mm256_fmadd_ps(ds, dot, even[r]);
-        off[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), off[r]);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(wide[r], ones));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b])), dot, acc[r]);
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r]);
       }
     }
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < MR; ++r) {
       alignas(32) float sums[8];
-      _mm256_store_ps(sums, _mm256_add_ps(_mm256_add_ps(even[r], odd[r]), off[r]));
+      _mm256_store_ps(sums, acc[r]);
       store_row(sums, y + (i0 + r) * ldy + 8 * half, std::min<int64_t>(8, cols - 8 * half));
     }
   }
+  (void)rows;
 }
-constexpr int kPassRows = 2;  // 16 ymm registers
+constexpr int kPassRows = 4;  // 2 weight registers + 2 a row: 10 of 16 ymm
 
 #else
 // The same arithmetic in plain C++, one row at a time.
@@ -178,9 +162,15 @@ LLMACCEL_ONE_COPY void i4_groups(const QuantizedRows& a, const uint8_t* blocks, 
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = blocks + g * nb * kInt4BlockBytes;
     const int64_t cols = std::min(kGroupRows, n - g * kGroupRows);
-    for (int64_t i0 = 0; i0 < m; i0 += kPassRows)
-      group_pass<kPassRows>(a, group, nb, k, i0, static_cast<int>(std::min<int64_t>(kPassRows, m - i0)),
-                            y + g * kGroupRows, ldy, cols);
+    for (int64_t i0 = 0; i0 < m; i0 += kPassRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kPassRows, m - i0));
+      float* out = y + g * kGroupRows;
+      // a pass of exactly the rows left (a row's arithmetic is the same in any pass)
+      if (kPassRows >= 4 && rows == 4) group_pass<(kPassRows >= 4 ? 4 : 1)>(a, group, nb, k, i0, rows, out, ldy, cols);
+      else if (kPassRows >= 3 && rows == 3) group_pass<(kPassRows >= 3 ? 3 : 1)>(a, group, nb, k, i0, rows, out, ldy, cols);
+      else if (kPassRows >= 2 && rows == 2) group_pass<(kPassRows >= 2 ? 2 : 1)>(a, group, nb, k, i0, rows, out, ldy, cols);
+      else group_pass<1>(a, group, nb, k, i0, rows, out, ldy, cols);
+    }
   }
 }
 

@@ -46,6 +46,13 @@ constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
 constexpr int64_t kGroupRows = 16;       // weight rows a group of the INT8 and INT4 kernels' blocks
 constexpr int64_t kInt4BlockBytes = 320;  // an INT4 block: 16 rows x 32 inputs, their scales and offsets
+// How far ahead of its reads a weight-streaming kernel prefetches (into L2): on a 2-core AMD EPYC Zen 3 the hardware
+// prefetcher alone kept a thread's INT4 / K-quant stream at a third of a plain read's bandwidth at one row; 40 KB
+// ahead took the pair of threads from ~12 to ~19 GB/s against ~25 for a sum (a 160 MB matrix, medians).
+constexpr int64_t kPrefetchBytes = 40 << 10;
+inline void prefetch_ahead(const uint8_t* at, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + kPrefetchBytes + line, 0, 2);
+}
 
 // Activation rows quantized to INT8 in blocks of 32: q = round(x / d) with d = max|x| / 127.
 struct QuantizedRows {

@@ -7,17 +7,17 @@
 // here 16 rows go side by side (as gemv_int4.cpp's INT4 blocks, whose chunk layout the low nibbles keep), so one
 // 32-byte load feeds 8 rows x 4 inputs to an unsigned x signed byte dot product against 4 broadcast activation
 // bytes, and a thread streams one contiguous run. A group's record for each super-block:
-//   Q4_K (2432 B): 8 x 256 B of nibbles (per 32 inputs, 4 chunks of 64 B: byte 4 r + j of chunk t holds row r's
+//   Q4_K (2368 B): 8 x 256 B of nibbles (per 32 inputs, 4 chunks of 64 B: byte 4 r + j of chunk t holds row r's
 //                  input 8 t + j in its low nibble and 8 t + 4 + j in its high nibble); sc [8][16] u8;
-//                  m [8][16] u8; d [16] f32; dmin [16] f32.
-//   Q5_K (2944 B): per 32 inputs the 256 B of nibbles then 64 B of fifth bits (byte 4 r + j: bit 2 t for input
+//                  m [8][16] u8; d [16] f16; dmin [16] f16.
+//   Q5_K (2880 B): per 32 inputs the 256 B of nibbles then 64 B of fifth bits (byte 4 r + j: bit 2 t for input
 //                  8 t + j, bit 2 t + 1 for 8 t + 4 + j); then sc, m, d, dmin as Q4_K.
-//   Q6_K (3392 B): per 32 inputs the 256 B of low nibbles then 2 x 64 B of high bit pairs (byte 4 r + j of the
+//   Q6_K (3360 B): per 32 inputs the 256 B of low nibbles then 2 x 64 B of high bit pairs (byte 4 r + j of the
 //                  first: bits 2 f, 2 f + 1 for field f = 2 t + s of chunks t = 0, 1, s = 0 for the low input,
-//                  1 for the high; the second the same for chunks 2, 3); sc [16][16] int8; d [16] f32.
-// The float16 scales are widened to float32 and the 6-bit ones kept as integers: nothing is rounded, so a
-// weight here is the GGUF weight exactly (tests hold the kernel to the dequantized tensor). That costs
-// 4.75 / 5.75 / 6.63 bits a weight against GGUF's 4.5 / 5.5 / 6.56.
+//                  1 for the high; the second the same for chunks 2, 3); sc [16][16] int8; d [16] f16.
+// The 6-bit scales are kept as integers and d, dmin as the file's float16: nothing is rounded, so a weight here is
+// the GGUF weight exactly (tests hold the kernel to the dequantized tensor), at 4.63 / 5.63 / 6.56 bits a
+// weight against GGUF's 4.5 / 5.5 / 6.56.
 //
 // Activations are INT8 in blocks of 32 (quantize_rows, as the INT4 and INT8 kernels take them); a block's integer
 // sums are exact and scaled once in float32, and every output row's sum runs in the same order whatever M is.
@@ -39,7 +39,7 @@ constexpr int64_t kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3;
 constexpr int64_t kNibbles = 256;                              // a 32-input block's nibbles, 16 rows
 
 int64_t block_bytes(int64_t kind) { return kind == kQ4K ? 256 : kind == kQ5K ? 320 : 384; }  // per 32 inputs
-int64_t record_bytes(int64_t kind) { return 8 * block_bytes(kind) + (kind == kQ6K ? 256 + 64 : 256 + 128); }
+int64_t record_bytes(int64_t kind) { return 8 * block_bytes(kind) + (kind == kQ6K ? 256 + 32 : 256 + 64); }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -49,7 +49,15 @@ inline float half_to_float(const uint8_t* p) {
 
 // ---- the kernels ----------------------------------------------------------------------------------------
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The value as it is, hidden from the optimiser: under -ffast-math it may reassociate a product chain such as
+// (sc d) dx into sc (d dx) in one instantiation of a pass and not another, and a row's result would then depend
+// on how many rows shared its pass.
+inline __m256 opaque(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
 inline __m256 widen_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -85,10 +93,11 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
     for (int64_t s = 0; s < supers; ++s) {
       const uint8_t* rec = group + s * record;
       const uint8_t* tail = rec + 8 * bb;  // scales, then d (and dmin)
-      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(tail + 256) + 8 * half);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 256 + 16 * half)));
       for (int64_t sb = 0; sb < 8; ++sb) {
         const uint8_t* block = rec + sb * bb;
         const int64_t b = s * 8 + sb;
+        if (half == 0) prefetch_ahead(rec + sb * (record / 8), record / 8);  // (kernels.h: why)
         __m256i dot[MR][2];
         for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
         __m256i wide[MR];  // int16 sums not yet widened
@@ -125,8 +134,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
           }
         }
         if constexpr (Kind == kQ6K) {
-          const __m256 sc0 = _mm256_mul_ps(widen_s8(tail + (2 * sb) * 16 + 8 * half), d);
-          const __m256 sc1 = _mm256_mul_ps(widen_s8(tail + (2 * sb + 1) * 16 + 8 * half), d);
+          const __m256 sc0 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb) * 16 + 8 * half), d));
+          const __m256 sc1 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb + 1) * 16 + 8 * half), d));
           for (int r = 0; r < MR; ++r) {
             const int64_t i = i0 + std::min(r, rows - 1);
             const int32_t* sums16 = a.qsum16.data() + 2 * (i * nb + b);
@@ -137,10 +146,10 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, dx), _mm256_cvtepi32_ps(v1), acc[r]);
           }
         } else {
-          const __m256 scale = _mm256_mul_ps(widen_u8(tail + sb * 16 + 8 * half), d);
-          const __m256 offset = _mm256_mul_ps(
+          const __m256 scale = opaque(_mm256_mul_ps(widen_u8(tail + sb * 16 + 8 * half), d));
+          const __m256 offset = opaque(_mm256_mul_ps(
               widen_u8(tail + 128 + sb * 16 + 8 * half),
-              _mm256_loadu_ps(reinterpret_cast<const float*>(tail + 320) + 8 * half));
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * half)))));
           for (int r = 0; r < MR; ++r) {
             const int64_t i = i0 + std::min(r, rows - 1);
             const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b]));
@@ -181,9 +190,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
       for (int64_t s = 0; s < supers; ++s) {
         const uint8_t* rec = group + s * record;
         const uint8_t* tail = rec + 8 * bb;
-        float d, dmin = 0.0f;
-        std::memcpy(&d, tail + 256 + 4 * row, 4);
-        if (Kind != kQ6K) std::memcpy(&dmin, tail + 320 + 4 * row, 4);
+        const float d = half_to_float(tail + 256 + 2 * row);
+        const float dmin = Kind != kQ6K ? half_to_float(tail + 288 + 2 * row) : 0.0f;
         for (int64_t sb = 0; sb < 8; ++sb) {
           const int64_t b = s * 8 + sb;
           const int8_t* xq = a.q.data() + i * k + b * kBlock;
@@ -283,14 +291,12 @@ void place_super(int64_t kind, const uint8_t* src, int64_t r, uint8_t* rec) {
   uint8_t* tail = rec + 8 * bb;
   if (kind == kQ6K) {
     for (int j = 0; j < 16; ++j) tail[j * 16 + r] = src[192 + j];
-    const float d = half_to_float(src + 208);
-    std::memcpy(tail + 256 + 4 * r, &d, 4);
+    std::memcpy(tail + 256 + 2 * r, src + 208, 2);  // d, float16 as the file has it
     return;
   }
   for (int j = 0; j < 8; ++j) scale_min(j, src + 4, tail[j * 16 + r], tail[128 + j * 16 + r]);
-  const float d = half_to_float(src), dmin = half_to_float(src + 2);
-  std::memcpy(tail + 256 + 4 * r, &d, 4);
-  std::memcpy(tail + 320 + 4 * r, &dmin, 4);
+  std::memcpy(tail + 256 + 2 * r, src, 2);      // d
+  std::memcpy(tail + 288 + 2 * r, src + 2, 2);  // dmin
 }
 
 // Q8_0 / Q4_0 / Q4_1 block of row r (GGUF bytes `src`, 32 weights) into gemv.cpp's INT8 block (576 B: weights + 128,

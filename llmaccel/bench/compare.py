@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight bytes a decode step of LABEL reads (a peer's model file size), for the lone "
                              "request's share of the bandwidth ceiling; llmaccel servers report theirs (repeatable)")
     parser.add_argument("--skip-baseline", action="store_true", help="do not start the HF baseline")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the i-th variant, then the i-th peer command, then the next pair (a machine whose "
+                             "speed drifts then weighs on both sides of each pair alike)")
     parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
     parser.add_argument("--result-json", type=Path, help="write every figure here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -157,9 +160,14 @@ def run(args: argparse.Namespace) -> int:
     serve = [sys.executable, "-m", "llmaccel.cli", "serve", "--model", args.model, "--no-result-cache"]
     if not args.skip_llmaccel:
         servers.append(("llmaccel", [*serve, *args.serve_args.split()]))
-    servers += [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
+    variants = [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
     peer_commands = [_labelled(value) for value in args.peer_command]
-    servers += [(label, shlex.split(command)) for label, command in peer_commands]
+    peers = [(label, shlex.split(command)) for label, command in peer_commands]
+    if args.interleave:
+        pairs = [server for pair in zip(variants, peers, strict=False) for server in pair]
+        servers += pairs + variants[len(peers):] + peers[len(variants):]
+    else:
+        servers += variants + peers
     for label, command in servers:
         port = free_port()
         print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)

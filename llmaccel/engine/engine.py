@@ -43,6 +43,16 @@ class StepStats:
     num_tokens: int
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (0 where the OS does not say)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return 0
+
+
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -83,6 +93,7 @@ def gguf_tensors(model: str, weights, device: torch.device):
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_kernel: bool | None = None) -> None:
         self.config = config
+        began = time.perf_counter()
         torch.manual_seed(config.model.seed)
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
@@ -159,6 +170,8 @@ class LLMEngine:
                     "attention: %s", num_blocks, block_size, num_blocks * block_size,
                     num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,
                     "C++ paged kernel" if model.attention.uses_kernel else "torch reference")
+        logger.info("weights: %.0f MB; loaded in %.1f s, peak RSS so far %.2f GB", self.weight_bytes / 1e6,
+                    time.perf_counter() - began, peak_rss_bytes() / 1e9)
         self._groups: dict[str, RequestGroup] = {}
         self._sample_to_group: dict[str, RequestGroup] = {}
         self._counter = 0

@@ -18,7 +18,7 @@ from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.model.layer_taps import LayerTaps
-from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear
+from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear, weight_bytes
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
@@ -252,6 +252,22 @@ def _all_projections(model: CausalLM) -> list[nn.Module]:
     return [m for layer in model.layers for m in layer.projections]
 
 
+DECODE_TIMING_BYTES = 256 << 20  # weights a decode-bucket timing streams: far past any L3, whatever the depth
+
+
+def _streamed_layers(model: CausalLM) -> list[nn.Module]:
+    """The projections of the first layers whose weights add up to DECODE_TIMING_BYTES (all of a small model's):
+    a decode step's weights stream from memory, so its kernels are timed on more than the caches hold, but every
+    layer has the same shapes, so timing all of a deep model's (8 GB a pass at 8B) taught nothing more."""
+    chosen, total = [], 0
+    for layer in model.layers:
+        chosen += list(layer.projections)
+        total += sum(weight_bytes(m) for m in layer.projections)
+        if total >= DECODE_TIMING_BYTES:
+            break
+    return chosen
+
+
 def choose_bf16_kernels(model: CausalLM) -> None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
     plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
@@ -263,7 +279,7 @@ def choose_bf16_kernels(model: CausalLM) -> None:
         head = None
     if not plain and head is None:
         return
-    every = ([m.weight for m in _all_projections(model) if isinstance(m, Linear) and m.weight is not None]
+    every = ([m.weight for m in _streamed_layers(model) if isinstance(m, Linear) and m.weight is not None]
              if plain else [])
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
                                            head.weight if head is not None else None, every)

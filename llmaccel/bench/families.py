@@ -67,9 +67,9 @@ def checkpoint(family: str, root: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmaccel.model.loader import hf_dir_for, load_tokenizer
+    from llmaccel.model.loader import load_tokenizer, model_files_dir
 
-    tokenizer = load_tokenizer(hf_dir_for("smollm2-135m"))
+    tokenizer = load_tokenizer(model_files_dir("smollm2-135m"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer), tokenizer)).eval()
     model.save_pretrained(out)

@@ -69,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
 
 
 def load_tokenizer(name: str):
-    from llmaccel.model.loader import hf_dir_for
     from llmaccel.model.loader import load_tokenizer as load
+    from llmaccel.model.loader import model_files_dir
 
-    return load(hf_dir_for(name))
+    return load(model_files_dir(name))  # (a GGUF file's tokenizer from its metadata: no weights converted)
 
 
 def benchmark_args(url: str, label: str, *flags: str) -> argparse.Namespace:

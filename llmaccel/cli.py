@@ -17,12 +17,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "AMX or AVX512-BF16), float32 elsewhere (the choice is logged at start); or float32, bfloat16")
     parser.add_argument("--quantization", choices=("int8", "int4", "gguf"),
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
-                             "in --dtype); gguf: a GGUF model's own Q4_0/Q4_1/Q8_0 tensors, used without requantizing")
+                             "in --dtype); gguf: a GGUF model's own tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: "
+                             "llama.cpp's presets such as Q4_K_M) as they are, embedding and LM head included, in "
+                             "the file's memory and no more")
     parser.add_argument("--quant-group-size", type=int,
                         help="INT4 group size: 32 (default, as GGUF's Q4_0/Q4_1), 64 or 128")
     parser.add_argument("--quantize-embedding", action="store_true",
                         help="hold the embedding and LM head in INT8 too, one copy when tied (with --quantization "
-                             "gguf: the file's own Q8_0 table); saves most of a small model's remaining float weights")
+                             "gguf a file's quantized tables are used as they are); saves most of a small model's "
+                             "remaining float weights")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

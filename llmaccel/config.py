@@ -54,7 +54,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 where the hardware computes it (CUDA, AMX, AVX512-BF16), else float32
     seed: int = 0
     quantization: str | None = None  # weight-only "int8" / "int4" for the decoder's linear layers, or "gguf":
-    # a GGUF file's own Q4_0/Q4_1/Q8_0 tensors as INT4/INT8, with no requantization
+    # a GGUF file's own quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as they are, never expanded
     quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: 32
     quantize_embedding: bool = False  # hold the embedding and LM head in INT8 too (one copy when tied);
     # with "gguf", the file's own Q8_0 table

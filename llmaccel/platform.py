@@ -70,6 +70,16 @@ def auto_dtype(device: str, features: set[str] | None = None) -> str:
 HUGE_PAGE = 2 * 2**20
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (0 where the OS does not say)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return 0
+
+
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
     """(`nbytes` of zeroed anonymous memory as a uint8 tensor that starts on a 2 MiB boundary, advised
     MADV_HUGEPAGE; whether the advice was taken). Where it is not (not Linux, a kernel without

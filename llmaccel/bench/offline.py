@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from llmaccel.platform import machine_record
+from llmaccel.platform import machine_record, peak_rss_bytes
 
 SYSTEMS = ("hf-sequential", "hf-static-batch", "llmaccel")
 
@@ -123,7 +122,7 @@ def _run_worker(args: argparse.Namespace) -> dict:
     useful = sum(targets)
     return {"system": args.worker, "wall_s": wall, "output_tokens": useful, "generated_tokens": generated,
             "output_tokens_per_s": useful / wall, "prompt_tokens": sum(len(p) for p in prompt_ids),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
             "num_prompts": len(prompt_ids), "targets_median": statistics.median(targets), "targets_max": max(targets),
             **extra}
 

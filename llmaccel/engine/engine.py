@@ -24,7 +24,7 @@ from llmaccel.model.loader import load_checkpoint, resolve_model_path
 from llmaccel.model.registry import model_class
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
-from llmaccel.platform import describe
+from llmaccel.platform import describe, peak_rss_bytes
 from llmaccel.quantization.prequantized import load_prequantized
 from llmaccel.runner import ModelRunner, Sampled
 from llmaccel.sampling_params import SamplingParams
@@ -41,16 +41,6 @@ class StepStats:
 
     num_seqs: int
     num_tokens: int
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (0 where the OS does not say)."""
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    except (ImportError, OSError):
-        return 0
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

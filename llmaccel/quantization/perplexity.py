@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from tqdm.auto import tqdm
 
 from llmaccel.data.corpora import NAMED_CORPORA, load_corpus
 from llmaccel.model.layers import weight_bytes
+from llmaccel.platform import peak_rss_bytes
 
 # label -> engine options; "int4" uses groups of 32 (the default); "-g64": the coarser grid; "awq": quantize
 # with AWQ on the built-in calibration prompts first; "+emb8": the embedding and LM head in INT8 too
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         del llm
     print(format_table(rows, list(texts), with_speed))
-    print(f"(peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB)",
+    print(f"(peak RSS of this process: {peak_rss_bytes() / 2**30:.2f} GiB)",
           file=sys.stderr)
     return 0
 

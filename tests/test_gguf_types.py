@@ -188,6 +188,25 @@ def test_a_tiny_llama_saved_as_each_type_matches_its_dequantized_reference(llama
     assert dense.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf_dir_for(str(path)), prompt, 16)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_without_the_cpu_kernels_the_files_tensors_run_on_torchs(llama256, tmp_path, tiny_tokenizer, qtype,
+                                                                  monkeypatch):
+    """Where llmaccel's CPU kernels are not (CUDA): Q8_0 as INT8, Q4_0 / Q4_1 / Q4_K as INT4 groups of 32 with every
+    code the file's, Q5_K / Q6_K dense; each scores text as the dense read of the same file does."""
+    import llmaccel.model.gguf.weights as gguf_weights
+    from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
+
+    monkeypatch.setattr(gguf_weights, "_kernels", lambda: None)
+    path = _write(llama256, tmp_path, qtype, tiny_tokenizer)
+    native, dense = LLM(str(path), quantization="gguf", use_kernel=False), LLM(str(path), use_kernel=False)
+    expected = {Q.Q8_0: Int8Linear, Q.Q4_0: Int4Linear, Q.Q4_1: Int4Linear, Q.Q4_K: Int4Linear}.get(qtype)
+    layer = native.engine.runner.model.layers[0].projections[0]
+    assert isinstance(layer, expected) if expected else not isinstance(layer, (Int4Linear, Int8Linear))
+    ids = tiny_tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界", add_special_tokens=False)
+    difference = torch.tensor(native.engine.score(ids)) - torch.tensor(dense.engine.score(ids))
+    assert difference.abs().max() <= 0.05
+
+
 @needs_kernels
 def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(llama256, tmp_path, tiny_tokenizer):
     from tests.test_decode_stack import _prompts, _stack_against_layers

@@ -41,6 +41,8 @@ def section(name: str):
             RESULTS[name] = {**RESULTS[name], "seconds": round(time.perf_counter() - start, 1)} \
                 if isinstance(RESULTS[name], dict) else RESULTS[name]
             print(name, json.dumps(RESULTS[name])[:1500], flush=True)
+            if os.environ.get("OUT"):  # after every section: a run stopped at its time limit keeps what it had
+                (Path(os.environ["OUT"]) / "cuda_check.json").write_text(json.dumps(RESULTS, indent=2))
         return run
     return wrap
 
@@ -48,7 +50,10 @@ def section(name: str):
 def hf_greedy(model_dir, prompts, new_tokens, device, dtype):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # HF's SDPA attention has no soft cap: Gemma 2's reference is its eager attention (HF says so itself)
+    eager = {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **eager).to(device).eval()
     model.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     outs = []
@@ -153,24 +158,78 @@ def prefix_caching(root, device):
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]}
 
 
-@section("speed_vs_hf")
-def speed(arch_dir, root, device, num_prompts, new_tokens):
+@section("gguf_types")
+def gguf_types(root, device):
+    """A tiny Llama saved as each GGUF type: read dense on the GPU it is HF's model of the dequantized weights
+    (greedy tokens against HF on the GPU); read with --quantization gguf (torch's INT8/INT4 kernels for Q8_0 and
+    Q4_x, K-quants dequantized) it scores text as the dense read does."""
+    import gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmaccel.model.loader import hf_dir_for
+    from tests.tiny_gguf import write_gguf
+    from tests.tiny_models import build_tokenizer
+
+    q = gguf.GGMLQuantizationType
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False, rope_theta=10000.0,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(11)
+    source = root / "llama256"
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    q4_k_m = {"": q.Q4_K, "blk.0.attn_v.weight": q.Q6_K, "blk.1.ffn_down.weight": q.Q6_K, "output.weight": q.Q6_K}
+    prompts = [tokenizer.encode(t) for t in ("The quick brown fox", "你好，世界", "def hello():")]
+    text = tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界", add_special_tokens=False)
+    out = {}
+    os.environ["LLMACCEL_CACHE_DIR"] = str(root / "cache")
+    for name, qtype in (("F16", q.F16), ("BF16", q.BF16), ("Q8_0", q.Q8_0), ("Q4_0", q.Q4_0), ("Q4_1", q.Q4_1),
+                        ("Q4_K", q.Q4_K), ("Q5_K", q.Q5_K), ("Q6_K", q.Q6_K), ("Q4_K_M", q4_k_m)):
+        path = write_gguf(source, root / f"tiny-{name}.gguf", qtype, json.loads((source / "config.json").read_text()),
+                          tokenizer)
+        dense = LLM(str(path), device=device, dtype="float32")
+        native = LLM(str(path), device=device, dtype="float32", quantization="gguf")
+        dense_scores = torch.tensor(dense.engine.score(text))
+        native_scores = torch.tensor(native.engine.score(text))
+        result = compare(dense, hf_dir_for(str(path)), prompts, 24, device, torch.float32)
+        result["native_max_score_difference"] = float((native_scores - dense_scores).abs().max())
+        out[name] = result
+        del dense, native
+    return out
+
+
+def shape_checkpoint(shape_name, arch_dir, root):
+    """A random-weight HF checkpoint at a published shape (llmaccel bench make-model), bf16."""
+    from llmaccel.bench.make_model import make_model
+    from llmaccel.model.shapes import shape_named
+
+    return make_model(shape_named(shape_name), "hf", root / shape_name, tokenizer_from=Path(arch_dir))
+
+
+def measure_speed(arch_dir, root, device, num_prompts, new_tokens, model_dir=None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from llmaccel.data.prompts import builtin_prompts
 
-    config = AutoConfig.from_pretrained(arch_dir)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model_dir = root / "smollm2-arch"
-    model.save_pretrained(model_dir)
+    if model_dir is None:
+        config = AutoConfig.from_pretrained(arch_dir)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model_dir = root / "smollm2-arch"
+        model.save_pretrained(model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(arch_dir)
     tokenizer.save_pretrained(model_dir)
     texts = [p.prompt for p in builtin_prompts()][:num_prompts]
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                           add_generation_prompt=True), add_special_tokens=False)
            for t in texts]
-    out = {"prompts": len(ids), "new_tokens": new_tokens, "prompt_tokens": sum(map(len, ids))}
+    out = {"model": Path(model_dir).name, "prompts": len(ids), "new_tokens": new_tokens,
+           "prompt_tokens": sum(map(len, ids))}
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm = LLM(str(model_dir), device=device, dtype="bfloat16")
     llm.generate(ids[:4], params, use_tqdm=False)  # warm-up
@@ -215,6 +274,12 @@ def speed(arch_dir, root, device, num_prompts, new_tokens):
     return out
 
 
+def shape_speed(args, root) -> None:
+    model_dir = shape_checkpoint(args.shape, args.arch_dir, root)
+    timed = section(f"speed_vs_hf_{args.shape}")(measure_speed)
+    timed(args.arch_dir, root, args.device, args.num_prompts, 64, model_dir)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -226,7 +291,10 @@ def main() -> int:
     parser.add_argument("--arch-dir", required=True, help="config.json and tokenizer of the default model")
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts of the speed comparison")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt in the speed comparison")
-    parser.add_argument("--skip", default="", help="sections to skip, comma-separated")
+    parser.add_argument("--shape", default="llama-1b",
+                        help="a published shape (llama-1b, llama-3b, ...) timed against HF after the default model's")
+    parser.add_argument("--skip", default="", help="sections to skip, comma-separated: tiny, window, quantized, "
+                                                    "prefix, gguf, speed, shape")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     root = Path(tempfile.mkdtemp())
@@ -235,7 +303,10 @@ def main() -> int:
                        ("window", lambda: sliding_window(root, args.device)),
                        ("quantized", lambda: quantized(root, args.device)),
                        ("prefix", lambda: prefix_caching(root, args.device)),
-                       ("speed", lambda: speed(args.arch_dir, root, args.device, args.num_prompts, args.new_tokens))):
+                       ("gguf", lambda: gguf_types(root, args.device)),
+                       ("speed", lambda: section("speed_vs_hf")(measure_speed)(
+                           args.arch_dir, root, args.device, args.num_prompts, args.new_tokens)),
+                       ("shape", lambda: shape_speed(args, root))):
         if name not in skip:
             call()
     out_dir = Path(os.environ.get("OUT", root))

@@ -59,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_model(shape: ModelShape, fmt: str, output: Path, seed: int = 0, llama_quantize: Path | None = None) -> Path:
-    """Write the checkpoint; returns its path (the HF directory or the GGUF file). An existing one is kept."""
+def make_model(shape: ModelShape, fmt: str, output: Path, seed: int = 0, llama_quantize: Path | None = None,
+               tokenizer_from: Path | None = None) -> Path:
+    """Write the checkpoint; returns its path (the HF directory or the GGUF file). An existing one is kept.
+    An HF directory takes its tokenizer and chat template from `tokenizer_from` (default: the default model's)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     output.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
-        return _write_hf(shape, output, seed)
+        return _write_hf(shape, output, seed, tokenizer_from)
     kind = fmt.split(":", 1)[1]
     path = output / f"{shape.name}-{kind}.gguf"
     if path.exists():
@@ -138,7 +140,7 @@ def _full(name: str, dims: tuple[int, ...], seed: int) -> torch.Tensor:
 
 # ---- HF directory --------------------------------------------------------------------------------------------
 
-def _write_hf(shape: ModelShape, output: Path, seed: int) -> Path:
+def _write_hf(shape: ModelShape, output: Path, seed: int, tokenizer_from: Path | None = None) -> Path:
     if (output / "llmaccel-complete").exists():
         return output
     tensors = list(tensor_shapes(shape))
@@ -158,7 +160,7 @@ def _write_hf(shape: ModelShape, output: Path, seed: int) -> Path:
                 f.write(data)
                 bar.update(len(data))
     (output / "config.json").write_text(json.dumps(shape.hf_config(), indent=2))
-    files = _default_model_files()
+    files = tokenizer_from or _default_model_files()
     for item in files.iterdir():
         if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(item, output / item.name)

@@ -5,8 +5,8 @@ Three views of the same tensors, each built on demand so that loading holds one 
   tensor is dequantized to float32 here (the `--quantization none` path, and 1-D tensors).
 - `packed()`: the quantized matrices repacked into llmaccel's kernel layouts (ops' PackedWeight: Q8_0 -> INT8
   blocks, Q4_0 / Q4_1 -> INT4 blocks, Q4_K / Q5_K / Q6_K -> K-quant blocks), every weight exactly the file's:
-  the `--quantization gguf` path. Where the CPU kernels are missing (CUDA, no compiler) Q8_0 and Q4_x come as
-  Int8Weight / Int4Weight for torch's kernels, and K-quants are dequantized.
+  the `--quantization gguf` path. Where the CPU kernels are missing (CUDA, no compiler) Q8_0, Q4_0, Q4_1 and Q4_K
+  come as Int8Weight / Int4Weight for torch's kernels, and Q5_K / Q6_K are dequantized.
 - `tables`: embedding lookups straight from the file's rows (`GGUFRows`), dequantized a row at a time.
 q and k rows come back in HF's order (llama.cpp's converter interleaves them). A tensor type outside those
 nine is an UnsupportedModelError naming it, never a silent float copy.
@@ -143,18 +143,29 @@ def _kernels():
 
 
 def _torch_format(tensor: GGUFTensor, rows: torch.Tensor, k: int) -> Int8Weight | Int4Weight | None:
-    """Q8_0 / Q4_0 / Q4_1 as the formats torch's kernels take (no llmaccel kernels here); None for K-quants."""
-    raw = _raw_rows(tensor)[rows]
-    blocks = raw.reshape(-1, quants.BLOCKS[tensor.tensor_type][1])
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float().view(len(rows), k // 32)
-    if tensor.tensor_type == quants.Q8_0:
-        return Int8Weight(blocks[:, 2:].contiguous().view(torch.int8).view(len(rows), k), d, 32)
-    if tensor.tensor_type not in (quants.Q4_0, quants.Q4_1):
+    """Q8_0 / Q4_0 / Q4_1 / Q4_K as the formats torch's kernels take (no llmaccel kernels here), every code the
+    file's; None for Q5_K and Q6_K, which the caller takes dense. Int4Weight's w = (q - 8) scale + zero holds a
+    Q4_K sub-block (w = d sc q - dmin m) as a group of 32: scale d sc, zero 8 d sc - dmin m."""
+    kind = tensor.tensor_type
+    if kind not in (quants.Q8_0, quants.Q4_0, quants.Q4_1, quants.Q4_K):
         return None
+    raw = _raw_rows(tensor)[rows]
+    blocks = raw.reshape(-1, quants.BLOCKS[kind][1])
+    groups = (len(rows), k // 32)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if kind == quants.Q4_K:
+        sc, mins = quants.k_scales(blocks[:, 4:16])
+        scale = d * sc.float()
+        zero = 8 * scale - blocks[:, 2:4].contiguous().view(torch.float16).float() * mins.float()
+        codes = quants.k_codes(blocks, kind).reshape(len(rows), k)
+        return Int4Weight(pack_int4(codes), scale.view(groups), zero.view(groups), 32)
+    d = d.view(groups)
+    if kind == quants.Q8_0:
+        return Int8Weight(blocks[:, 2:].contiguous().view(torch.int8).view(len(rows), k), d, 32)
     nibbles = blocks[:, -16:]
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).view(len(rows), k)
-    if tensor.tensor_type == quants.Q4_1:  # w = d q + m = (q - 8) d + (m + 8 d)
-        zero = blocks[:, 2:4].contiguous().view(torch.float16).float().view(len(rows), k // 32) + 8 * d
+    if kind == quants.Q4_1:  # w = d q + m = (q - 8) d + (m + 8 d)
+        zero = blocks[:, 2:4].contiguous().view(torch.float16).float().view(groups) + 8 * d
     else:
         zero = torch.zeros_like(d)
     return Int4Weight(pack_int4(q), d, zero, 32)
@@ -177,5 +188,6 @@ class GGUFRows(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise IndexError(f"token id outside the embedding's {self.out_features} rows")
-        flat = ids.reshape(-1)
-        return quants.dequantize(self.raw[flat], self.tensor_type, self.in_features).view(*ids.shape, -1)
+        flat = ids.reshape(-1).cpu()  # the file's rows stay in host memory whatever device computes
+        values = quants.dequantize(self.raw[flat], self.tensor_type, self.in_features).view(*ids.shape, -1)
+        return values.to(ids.device)

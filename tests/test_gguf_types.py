@@ -208,6 +208,27 @@ def test_without_the_cpu_kernels_the_files_tensors_run_on_torchs(llama256, tmp_p
 
 
 @needs_kernels
+def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(llama256, tmp_path, tiny_tokenizer):
+    """Each matrix is written where the decode stack reads it, in the order the model is built: q, k and v lie
+    back to back and are one tensor without a concatenated copy, and the decode weights are not copied again."""
+    from llmaccel.model.weight_arena import _weight_attribute
+    from llmaccel.platform import HUGE_PAGE
+
+    path = _write(llama256, tmp_path, Q.Q4_K, tiny_tokenizer)
+    model = LLM(str(path), quantization="gguf").engine.runner.model
+    assert model.decode_stack is not None
+    streamed = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    tensors = [getattr(m, _weight_attribute(m)) for m in [model.lm_head, *streamed]]  # the head is built first
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    starts = [t.data_ptr() for t in tensors]
+    assert starts[0] % HUGE_PAGE == 0
+    # back to back with no page padding: the decode stack's WeightArena (which pads to pages) copied nothing
+    assert all(t.data_ptr() + t.nbytes == following for t, following in zip(tensors, starts[1:], strict=False))
+    assert any(t.nbytes % 4096 for t in tensors)
+    assert model.layers[0].qkv.blocks.shape[0] == (256 + 2 * 128) // 16  # q, k, v: 16-row groups in one tensor
+
+
+@needs_kernels
 def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(llama256, tmp_path, tiny_tokenizer):
     from tests.test_decode_stack import _prompts, _stack_against_layers
 

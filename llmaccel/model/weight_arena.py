@@ -10,12 +10,18 @@ projections, then the LM head) are copied into one anonymous mapping advised MAD
 back in the order a step reads them, and every module takes a view of its part: no second copy, and
 the layer-by-layer path reads the same memory. Served, paired against the same build without it: a
 lone INT8 request +14%, a 4-bit one +6%, 64 bf16 requests at once +3% (medians of alternating runs).
+
+Where the weights are made at load (a GGUF file's matrices repacked for the kernels), a LoadArena hands out
+the mapping front to back as they are made, so they are written once, in place: fused projections are
+adjacent parts (no concatenation), and WeightArena finds nothing to copy (8B Q4_K_M: ~6 s less at start).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
+import weakref
 
 import torch
 from torch import nn
@@ -42,6 +48,35 @@ def _weight_attribute(module: nn.Module) -> str | None:
     return None
 
 
+_LOAD_ARENAS: weakref.WeakValueDictionary[int, LoadArena] = weakref.WeakValueDictionary()
+
+
+class LoadArena:
+    """One huge-page mapping handed out front to back, 64-byte aligned, to tensors as they are built."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int) -> None:
+        self.whole, self.huge_pages = huge_page_buffer(max(nbytes, 1))
+        self.used = 0
+        _LOAD_ARENAS[self.whole.untyped_storage().data_ptr()] = self
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A uint8 tensor of `shape` from the next free bytes, or None where the mapping is spent."""
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        end = start + math.prod(shape)
+        if end > self.whole.numel():
+            return None
+        self.used = end
+        return self.whole[start:end].view(shape)
+
+    @staticmethod
+    def holding(tensors: list[torch.Tensor]) -> LoadArena | None:
+        """The load arena every one of these tensors lives in, or None."""
+        found = {t.untyped_storage().data_ptr() for t in tensors}
+        return _LOAD_ARENAS.get(found.pop()) if len(found) == 1 else None
+
+
 class WeightArena:
     """Copies the weights into one huge-page mapping; modules hold views of it, which keep it alive."""
 
@@ -54,6 +89,10 @@ class WeightArena:
             tensor = getattr(module, name) if name else None
             if tensor is not None and not any(tensor is t for t in tensors):  # a tied table is one tensor
                 tensors.append(tensor)
+        built_in_place = LoadArena.holding(tensors) if tensors else None
+        if built_in_place is not None:  # made where they are streamed from: nothing to copy
+            self.nbytes, self.huge_pages = built_in_place.used, built_in_place.huge_pages
+            return
         sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
         self.nbytes = sum(sizes)
         whole, self.huge_pages = huge_page_buffer(self.nbytes)  # the views keep the mapping alive

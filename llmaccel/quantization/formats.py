@@ -86,8 +86,22 @@ def concat_packed(weights: list[PackedWeight]) -> PackedWeight:
     16-row groups, as the kernels' blocks hold 16 rows)."""
     if any(w.out_features % 16 for w in weights[:-1]):
         raise ValueError("packed weights stack only at multiples of 16 rows")
-    return PackedWeight(weights[0].layout, torch.cat([w.blocks for w in weights]),
+    blocks = [w.blocks for w in weights]
+    joined = _back_to_back(blocks)
+    return PackedWeight(weights[0].layout, torch.cat(blocks) if joined is None else joined,
                         sum(w.out_features for w in weights), weights[0].in_features)
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one tensor without a copy, where they lie one after another in one storage (repacked in
+    place at load: model/weight_arena.LoadArena), else None."""
+    first, end = parts[0], parts[0].data_ptr()
+    for part in parts:
+        if (not part.is_contiguous() or part.data_ptr() != end or part.shape[1:] != first.shape[1:]
+                or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        end += part.nbytes
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
 
 
 def check_group_size(group_size: int, in_features: int, name: str = "a layer") -> None:

@@ -14,6 +14,7 @@ nine is an UnsupportedModelError naming it, never a silent float copy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -24,6 +25,7 @@ from llmaccel.errors import UnsupportedModelError
 from llmaccel.model.gguf import quants
 from llmaccel.model.gguf.names import hf_tensor_name, row_order
 from llmaccel.model.gguf.reader import GGUFFile, GGUFTensor
+from llmaccel.model.weight_arena import LoadArena
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, pack_int4
 
 _TORCH_DENSE = {quants.F32: torch.float32, quants.F16: torch.float16, quants.BF16: torch.bfloat16}
@@ -105,6 +107,7 @@ class PackedTensors(Mapping[str, object]):
 
     def __init__(self, weights: GGUFWeights, cpu_kernels: bool = True) -> None:
         self.weights, self.cpu_kernels = weights, cpu_kernels
+        self._arena: LoadArena | None = None
 
     def _names(self) -> list[str]:
         return [n for n in self.weights if self.weights.is_quantized(n) and self.weights.tensor(n).rows > 1]
@@ -127,12 +130,36 @@ class PackedTensors(Mapping[str, object]):
         rows = torch.arange(n) if order is None else torch.from_numpy(order)
         kernels = _kernels() if self.cpu_kernels else None
         if kernels is not None:
-            blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k)
+            place = self._place(packed_shape(tensor.tensor_type, n, k))
+            blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k, place)
             self.weights.file.release(tensor)
             layout = {quants.Q8_0: "int8", quants.Q4_0: "int4", quants.Q4_1: "int4"}.get(
                 tensor.tensor_type, quants.NAMES[tensor.tensor_type].lower())
             return PackedWeight(layout, blocks, n, k)
         return _torch_format(tensor, rows, k)
+
+
+    def _place(self, shape: tuple[int, int, int]) -> torch.Tensor | None:
+        """Where the next repacked matrix goes: the next bytes of one mapping sized for all of them, in the order
+        the model asks (so a fused projection's parts lie back to back), or None (a new tensor) once spent."""
+        if self._arena is None:
+            self._arena = LoadArena(sum(-(-math.prod(packed_shape(self.weights.tensor(name).tensor_type,
+                                                                   self.weights.tensor(name).rows,
+                                                                   int(self.weights.tensor(name).shape[0])))
+                                          // LoadArena.ALIGN) * LoadArena.ALIGN for name in self))
+        return self._arena.take(shape)
+
+
+# bytes per 16-row group of the kernels' blocks for one unit of inputs (32, or a 256-input super-block):
+# ops/csrc gemv.cpp's INT8 block (weights + 128, 16 float32 scales), gemv_int4.cpp's INT4 block, kquant.cpp's records
+_PACKED_UNIT_BYTES = {quants.Q8_0: 576, quants.Q4_0: 320, quants.Q4_1: 320, quants.Q4_K: 2368, quants.Q5_K: 2880,
+                      quants.Q6_K: 3360}
+
+
+def packed_shape(tensor_type: int, rows: int, k: int) -> tuple[int, int, int]:
+    """The shape of gguf_repack's blocks for a [rows, k] matrix of this type."""
+    unit = quants.BLOCKS[tensor_type][0]
+    return -(-rows // 16), k // unit, _PACKED_UNIT_BYTES[tensor_type]
 
 
 def _kernels():

@@ -7,7 +7,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n);
 torch::Tensor gemv_i4(torch::Tensor x, torch::Tensor blocks, int64_t n);
 torch::Tensor gemv_kq(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t n);
-torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, int64_t k);
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, int64_t k,
+                          c10::optional<torch::Tensor> out);
 bool gemv_vectorized();
 torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, torch::Tensor ids);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
@@ -55,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_i4", &gemv_i4, "x @ w.T, INT4 weights in 16-row blocks of 32 inputs, INT8 activations", nogil);
   m.def("gemv_kq", &gemv_kq, "x @ w.T, llama.cpp K-quant weights (Q4_K/Q5_K/Q6_K) in 16-row blocks, INT8 activations",
         nogil);
-  m.def("gguf_repack", &gguf_repack, "a GGUF tensor's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K bytes -> the kernels' blocks", nogil);
+  m.def("gguf_repack", &gguf_repack, "a GGUF tensor's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K bytes -> the kernels' blocks",
+        py::arg("raw"), py::arg("type"), py::arg("rows"), py::arg("k"), py::arg("out") = py::none(), nogil);
   m.def("write_kv", &write_kv, "new keys and values into the paged KV pool at their slots", nogil);
   m.def("fused_decode_attention", &fused_decode_attention, "RoPE, KV write and paged attention of a decode step",
         py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("positions"),

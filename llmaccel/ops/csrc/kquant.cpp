@@ -368,8 +368,10 @@ torch::Tensor gemv_kq(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64
 
 // A GGUF tensor's bytes raw [R, row bytes] of GGML type `type` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) -> the blocks of
 // llmaccel's kernel for it (gemv_i8 with scales inside, gemv_i4, gemv_kq), output row i taken from raw row
-// rows[i] (llama.cpp's q/k row order undone), rows past R zero. K is the row length in weights.
-torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, int64_t k) {
+// rows[i] (llama.cpp's q/k row order undone), rows past R zero. K is the row length in weights. Written into
+// `out` where given (a view of the model's weight mapping: no second copy at load), else into a new tensor.
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, int64_t k,
+                          c10::optional<torch::Tensor> out_given) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1,
               "raw must be uint8 [rows, row bytes] with contiguous rows");
   const bool super = type == kQ4K || type == kQ5K || type == kQ6K;
@@ -383,12 +385,21 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, i
   const int64_t* idx = index.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < raw.size(0), "row index ", idx[i], " is outside");
   const int64_t out_bytes = super ? record_bytes(type) : type == kQ8_0 ? 512 + 4 * kGroupRows : kInt4BlockBytes;
-  auto out = torch::zeros({groups, units, out_bytes}, torch::kUInt8);
+  torch::Tensor out;
+  if (out_given.has_value()) {
+    out = *out_given;
+    TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.dim() == 3 && out.size(0) == groups &&
+                    out.size(1) == units && out.size(2) == out_bytes,
+                "out must be contiguous uint8 [", groups, ", ", units, ", ", out_bytes, "]");
+  } else {
+    out = torch::empty({groups, units, out_bytes}, torch::kUInt8);
+  }
   uint8_t* op = out.data_ptr<uint8_t>();
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   const int64_t ld = raw.stride(0);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
+      std::memset(op + g * units * out_bytes, 0, units * out_bytes);  // bits are or-ed in; spare rows stay zero
       for (int64_t r = 0; r < kGroupRows && g * kGroupRows + r < n; ++r) {
         const uint8_t* src = rp + idx[g * kGroupRows + r] * ld;
         for (int64_t u = 0; u < units; ++u) {
@@ -399,6 +410,7 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, i
             place_block32(type, src + u * src_bytes, r, dst);
         }
       }
+    }
   });
   return out;
 }

@@ -282,12 +282,60 @@ void place_block(int64_t kind, const uint8_t* q, int64_t r, uint8_t* block) {
     }
 }
 
+// Four codes a time, as 32-bit words: bytes a (inputs 8 t .. 8 t + 3) and b (8 t + 4 ..) shifted right by `shift`,
+// `mask`ed: the chunk word of row r is a | b << 4 (the low nibbles), the words of Q6_K's high bit pairs likewise.
+inline uint32_t word(const uint8_t* p, int shift, uint32_t mask) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return (v >> shift) & mask;
+}
+
+// Q4_K's and Q6_K's codes straight from the file's bytes into row r's chunk words (the bulk of a load; the
+// generic path below builds every code first and places it a byte at a time, ~8x slower).
+void place_q4k_fast(const uint8_t* src, int64_t r, uint8_t* rec) {
+  const uint8_t* qs = src + 16;  // sub-block j: nibble j % 2 of qs[32 (j / 2) + l]
+  for (int sb = 0; sb < 8; ++sb) {
+    const uint8_t* q = qs + 32 * (sb / 2);
+    const int shift = 4 * (sb % 2);
+    uint8_t* block = rec + sb * 256;
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t v = word(q + 8 * t, shift, 0x0F0F0F0Fu) | word(q + 8 * t + 4, shift, 0x0F0F0F0Fu) << 4;
+      std::memcpy(block + 64 * t + 4 * r, &v, 4);
+    }
+  }
+}
+
+void place_q6k_fast(const uint8_t* src, int64_t r, uint8_t* rec) {
+  for (int sb = 0; sb < 8; ++sb) {  // inputs 32 sb + i: low nibble of ql[64 h + 32 (sb % 2) + i] >> 4 ((sb % 4) / 2),
+    const int h = sb / 4;           // high pair of qh[32 h + i] >> 2 (sb % 4), h = sb / 4
+    const uint8_t* low = src + 64 * h + 32 * (sb % 2);
+    const uint8_t* high = src + 128 + 32 * h;
+    const int low_shift = 4 * ((sb % 4) / 2), high_shift = 2 * (sb % 4);
+    uint8_t* block = rec + sb * 384;
+    uint32_t pairs[2] = {0, 0};
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t v = word(low + 8 * t, low_shift, 0x0F0F0F0Fu) | word(low + 8 * t + 4, low_shift, 0x0F0F0F0Fu) << 4;
+      std::memcpy(block + 64 * t + 4 * r, &v, 4);
+      pairs[t / 2] |= word(high + 8 * t, high_shift, 0x03030303u) << (4 * (t % 2)) |
+                      word(high + 8 * t + 4, high_shift, 0x03030303u) << (4 * (t % 2) + 2);
+    }
+    std::memcpy(block + kNibbles + 4 * r, &pairs[0], 4);
+    std::memcpy(block + kNibbles + 64 + 4 * r, &pairs[1], 4);
+  }
+}
+
 // One K-quant super-block of row r (GGUF bytes `src`) into the group's record.
 void place_super(int64_t kind, const uint8_t* src, int64_t r, uint8_t* rec) {
-  uint8_t codes[256];
-  super_codes(kind, src, codes);
   const int64_t bb = block_bytes(kind);
-  for (int sb = 0; sb < 8; ++sb) place_block(kind, codes + 32 * sb, r, rec + sb * bb);
+  if (kind == kQ4K) {
+    place_q4k_fast(src, r, rec);
+  } else if (kind == kQ6K) {
+    place_q6k_fast(src, r, rec);
+  } else {
+    uint8_t codes[256];
+    super_codes(kind, src, codes);
+    for (int sb = 0; sb < 8; ++sb) place_block(kind, codes + 32 * sb, r, rec + sb * bb);
+  }
   uint8_t* tail = rec + 8 * bb;
   if (kind == kQ6K) {
     for (int j = 0; j < 16; ++j) tail[j * 16 + r] = src[192 + j];

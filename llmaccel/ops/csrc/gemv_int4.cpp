@@ -81,41 +81,53 @@ constexpr int kPassRows = 4;  // 8 weight registers + 3 accumulators a row: 20 o
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LLMACCEL_I4_AVX2 1
+// One activation row (a lone decode step) takes both 8-row halves of the group in one pass, so its blocks stream
+// once (gemv.cpp's INT8 kernel says why); more rows take a half a pass, for the registers.
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t k, int64_t i0, int rows,
                 float* y, int64_t ldy, int64_t cols) {
+  constexpr int H = MR == 1 ? 2 : 1;  // halves a pass
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t half = 0; half < 2 && half * 8 < cols; ++half) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t half0 = 0; half0 < 2 && half0 * 8 < cols; half0 += H) {
+    __m256 acc[MR][H];
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* block = group + b * kInt4BlockBytes;
-      if (half == 0) prefetch_ahead(block, kInt4BlockBytes);
-      __m256i wide[MR];
+      if (half0 == 0) prefetch_ahead(block, kInt4BlockBytes);
+      __m256i wide[MR][H];
       for (int t = 0; t < 4; ++t) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
-        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int r = 0; r < MR; ++r) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.q.data() + (i0 + r) * k + b * kBlock) + 2 * t;
-          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[0])),
-                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[1])));
-          wide[r] = t == 0 ? pair : _mm256_add_epi16(wide[r], pair);
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * (half0 + h)));
+          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(a.q.data() + (i0 + r) * k + b * kBlock) + 2 * t;
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[0])),
+                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[1])));
+            wide[r][h] = t == 0 ? pair : _mm256_add_epi16(wide[r][h], pair);
+          }
         }
       }
-      const auto* halves = reinterpret_cast<const __m128i*>(block + kScaleAt + 16 * half);
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(halves));
-      const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2));
-      for (int r = 0; r < MR; ++r) {
-        const int64_t i = i0 + r;
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(wide[r], ones));
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b])), dot, acc[r]);
-        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r]);
+      for (int h = 0; h < H; ++h) {
+        const auto* halves = reinterpret_cast<const __m128i*>(block + kScaleAt + 16 * (half0 + h));
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(halves));
+        const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2));
+        for (int r = 0; r < MR; ++r) {
+          const int64_t i = i0 + r;
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(wide[r][h], ones));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b])), dot, acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r][h]);
+        }
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, acc[r]);
-      store_row(sums, y + (i0 + r) * ldy + 8 * half, std::min<int64_t>(8, cols - 8 * half));
+    for (int h = 0; h < H; ++h) {
+      const int64_t half = half0 + h;
+      if (half * 8 >= cols) break;
+      for (int r = 0; r < MR; ++r) {
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, acc[r][h]);
+        store_row(sums, y + (i0 + r) * ldy + 8 * half, std::min<int64_t>(8, cols - 8 * half));
+      }
     }
   }
   (void)rows;

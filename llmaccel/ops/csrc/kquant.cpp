@@ -79,90 +79,107 @@ inline __m256i pair_products(__m256i u, const int32_t* x4) {
 }
 
 // One group of 16 weight rows (8 a half) against activation rows i0 .. i0 + rows - 1: their sums into y. Each
-// 32-byte chunk is unpacked once for the MR rows of a pass; the rows' integer sums stay in registers.
+// 32-byte chunk is unpacked once for the MR rows of a pass; the rows' integer sums stay in registers. One activation
+// row (a lone decode step) takes both halves in one pass, so the group's record streams once; more rows take a
+// half a pass, for the registers (the second pass reads the record from L2).
 template <int64_t Kind, int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int64_t k, int64_t i0, int rows,
                 float* y, int64_t ldy, int64_t cols) {
+  constexpr int H = MR == 1 ? 2 : 1;  // halves a pass
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t nb = k / kBlock, record = record_bytes(Kind), bb = block_bytes(Kind);
   const int8_t* xq[MR];
   for (int r = 0; r < MR; ++r) xq[r] = a.q.data() + (i0 + std::min(r, rows - 1)) * k;  // (spare lanes repeat a row)
-  for (int64_t half = 0; half < 2 && half * 8 < cols; ++half) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t half0 = 0; half0 < 2 && half0 * 8 < cols; half0 += H) {
+    __m256 acc[MR][H];
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; ++s) {
       const uint8_t* rec = group + s * record;
       const uint8_t* tail = rec + 8 * bb;  // scales, then d (and dmin)
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 256 + 16 * half)));
+      __m256 d[H];
+      for (int h = 0; h < H; ++h)
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 256 + 16 * (half0 + h))));
       for (int64_t sb = 0; sb < 8; ++sb) {
         const uint8_t* block = rec + sb * bb;
         const int64_t b = s * 8 + sb;
-        if (half == 0) prefetch_ahead(rec + sb * (record / 8), record / 8);  // (kernels.h: why)
-        __m256i dot[MR][2];
-        for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-        __m256i wide[MR];  // int16 sums not yet widened
+        if (half0 == 0) prefetch_ahead(rec + sb * (record / 8), record / 8);  // (kernels.h: why)
+        __m256i dot[MR][H][2];
+        for (int r = 0; r < MR; ++r)
+          for (int h = 0; h < H; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_si256();
+        __m256i wide[MR][H];  // int16 sums not yet widened
         for (int t = 0; t < 4; ++t) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
-          __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          if constexpr (Kind == kQ5K) {  // the fifth bits: bit 2 t for the low input, 2 t + 1 for the high
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbles + 32 * half));
-            const __m256i bit = _mm256_set1_epi8(0x10);
-            if (t == 0) lo = _mm256_or_si256(lo, bits_to<4>(h, bit)), hi = _mm256_or_si256(hi, bits_to<3>(h, bit));
-            if (t == 1) lo = _mm256_or_si256(lo, bits_to<2>(h, bit)), hi = _mm256_or_si256(hi, bits_to<1>(h, bit));
-            if (t == 2) lo = _mm256_or_si256(lo, bits_to<0>(h, bit)), hi = _mm256_or_si256(hi, bits_to<-1>(h, bit));
-            if (t == 3) lo = _mm256_or_si256(lo, bits_to<-2>(h, bit)), hi = _mm256_or_si256(hi, bits_to<-3>(h, bit));
-          }
-          if constexpr (Kind == kQ6K) {  // the high bit pairs of chunks 0, 1 (then 2, 3): fields 2 (t % 2) + s
-            const __m256i h = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(block + kNibbles + 64 * (t / 2) + 32 * half));
-            const __m256i pairs = _mm256_set1_epi8(0x30);
-            if (t % 2 == 0) lo = _mm256_or_si256(lo, bits_to<4>(h, pairs)), hi = _mm256_or_si256(hi, bits_to<2>(h, pairs));
-            else lo = _mm256_or_si256(lo, bits_to<0>(h, pairs)), hi = _mm256_or_si256(hi, bits_to<-2>(h, pairs));
-          }
-          for (int r = 0; r < MR; ++r) {
-            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[r] + b * kBlock) + 2 * t;
-            const __m256i pair = _mm256_add_epi16(pair_products(lo, x4), pair_products(hi, x4 + 1));
-            if constexpr (Kind == kQ4K) {
-              wide[r] = t == 0 ? pair : _mm256_add_epi16(wide[r], pair);
-              if (t == 3) dot[r][0] = _mm256_madd_epi16(wide[r], ones);
-            } else if constexpr (Kind == kQ5K) {
-              wide[r] = t % 2 == 0 ? pair : _mm256_add_epi16(wide[r], pair);
-              if (t % 2 == 1) dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(wide[r], ones));
-            } else {  // Q6_K: inputs 0..15 (chunks 0, 1) and 16..31 (chunks 2, 3) have scales of their own
-              dot[r][t / 2] = _mm256_add_epi32(dot[r][t / 2], _mm256_madd_epi16(pair, ones));
+          for (int h = 0; h < H; ++h) {
+            const int64_t half = half0 + h;
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * t + 32 * half));
+            __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            if constexpr (Kind == kQ5K) {  // the fifth bits: bit 2 t for the low input, 2 t + 1 for the high
+              const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbles + 32 * half));
+              const __m256i bit = _mm256_set1_epi8(0x10);
+              if (t == 0) lo = _mm256_or_si256(lo, bits_to<4>(hb, bit)), hi = _mm256_or_si256(hi, bits_to<3>(hb, bit));
+              if (t == 1) lo = _mm256_or_si256(lo, bits_to<2>(hb, bit)), hi = _mm256_or_si256(hi, bits_to<1>(hb, bit));
+              if (t == 2) lo = _mm256_or_si256(lo, bits_to<0>(hb, bit)), hi = _mm256_or_si256(hi, bits_to<-1>(hb, bit));
+              if (t == 3) lo = _mm256_or_si256(lo, bits_to<-2>(hb, bit)), hi = _mm256_or_si256(hi, bits_to<-3>(hb, bit));
+            }
+            if constexpr (Kind == kQ6K) {  // the high bit pairs of chunks 0, 1 (then 2, 3): fields 2 (t % 2) + s
+              const __m256i hb = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(block + kNibbles + 64 * (t / 2) + 32 * half));
+              const __m256i pairs = _mm256_set1_epi8(0x30);
+              if (t % 2 == 0) lo = _mm256_or_si256(lo, bits_to<4>(hb, pairs)), hi = _mm256_or_si256(hi, bits_to<2>(hb, pairs));
+              else lo = _mm256_or_si256(lo, bits_to<0>(hb, pairs)), hi = _mm256_or_si256(hi, bits_to<-2>(hb, pairs));
+            }
+            for (int r = 0; r < MR; ++r) {
+              const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[r] + b * kBlock) + 2 * t;
+              const __m256i pair = _mm256_add_epi16(pair_products(lo, x4), pair_products(hi, x4 + 1));
+              if constexpr (Kind == kQ4K) {
+                wide[r][h] = t == 0 ? pair : _mm256_add_epi16(wide[r][h], pair);
+                if (t == 3) dot[r][h][0] = _mm256_madd_epi16(wide[r][h], ones);
+              } else if constexpr (Kind == kQ5K) {
+                wide[r][h] = t % 2 == 0 ? pair : _mm256_add_epi16(wide[r][h], pair);
+                if (t % 2 == 1) dot[r][h][0] = _mm256_add_epi32(dot[r][h][0], _mm256_madd_epi16(wide[r][h], ones));
+              } else {  // Q6_K: inputs 0..15 (chunks 0, 1) and 16..31 (chunks 2, 3) have scales of their own
+                dot[r][h][t / 2] = _mm256_add_epi32(dot[r][h][t / 2], _mm256_madd_epi16(pair, ones));
+              }
             }
           }
         }
-        if constexpr (Kind == kQ6K) {
-          const __m256 sc0 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb) * 16 + 8 * half), d));
-          const __m256 sc1 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb + 1) * 16 + 8 * half), d));
-          for (int r = 0; r < MR; ++r) {
-            const int64_t i = i0 + std::min(r, rows - 1);
-            const int32_t* sums16 = a.qsum16.data() + 2 * (i * nb + b);
-            const __m256 dx = _mm256_set1_ps(a.d[i * nb + b]);
-            const __m256i v0 = _mm256_sub_epi32(dot[r][0], _mm256_set1_epi32(32 * sums16[0]));
-            const __m256i v1 = _mm256_sub_epi32(dot[r][1], _mm256_set1_epi32(32 * sums16[1]));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc0, dx), _mm256_cvtepi32_ps(v0), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, dx), _mm256_cvtepi32_ps(v1), acc[r]);
-          }
-        } else {
-          const __m256 scale = opaque(_mm256_mul_ps(widen_u8(tail + sb * 16 + 8 * half), d));
-          const __m256 offset = opaque(_mm256_mul_ps(
-              widen_u8(tail + 128 + sb * 16 + 8 * half),
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * half)))));
-          for (int r = 0; r < MR; ++r) {
-            const int64_t i = i0 + std::min(r, rows - 1);
-            const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b]));
-            acc[r] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot[r][0]), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r]);
+        for (int h = 0; h < H; ++h) {
+          const int64_t half = half0 + h;
+          if constexpr (Kind == kQ6K) {
+            const __m256 sc0 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb) * 16 + 8 * half), d[h]));
+            const __m256 sc1 = opaque(_mm256_mul_ps(widen_s8(tail + (2 * sb + 1) * 16 + 8 * half), d[h]));
+            for (int r = 0; r < MR; ++r) {
+              const int64_t i = i0 + std::min(r, rows - 1);
+              const int32_t* sums16 = a.qsum16.data() + 2 * (i * nb + b);
+              const __m256 dx = _mm256_set1_ps(a.d[i * nb + b]);
+              const __m256i v0 = _mm256_sub_epi32(dot[r][h][0], _mm256_set1_epi32(32 * sums16[0]));
+              const __m256i v1 = _mm256_sub_epi32(dot[r][h][1], _mm256_set1_epi32(32 * sums16[1]));
+              acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc0, dx), _mm256_cvtepi32_ps(v0), acc[r][h]);
+              acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, dx), _mm256_cvtepi32_ps(v1), acc[r][h]);
+            }
+          } else {
+            const __m256 scale = opaque(_mm256_mul_ps(widen_u8(tail + sb * 16 + 8 * half), d[h]));
+            const __m256 offset = opaque(_mm256_mul_ps(
+                widen_u8(tail + 128 + sb * 16 + 8 * half),
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * half)))));
+            for (int r = 0; r < MR; ++r) {
+              const int64_t i = i0 + std::min(r, rows - 1);
+              const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[i * nb + b]));
+              acc[r][h] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot[r][h][0]), acc[r][h]);
+              acc[r][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum[i * nb + b]), acc[r][h]);
+            }
           }
         }
       }
     }
-    for (int r = 0; r < rows; ++r) {
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, acc[r]);
-      std::memcpy(y + (i0 + r) * ldy + 8 * half, sums, std::min<int64_t>(8, cols - 8 * half) * sizeof(float));
+    for (int h = 0; h < H; ++h) {
+      const int64_t half = half0 + h;
+      if (half * 8 >= cols) break;
+      for (int r = 0; r < rows; ++r) {
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, acc[r][h]);
+        std::memcpy(y + (i0 + r) * ldy + 8 * half, sums, std::min<int64_t>(8, cols - 8 * half) * sizeof(float));
+      }
     }
   }
 }

@@ -11,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmaccel.errors import UnsupportedModelError
 from llmaccel.llm import LLM
@@ -19,7 +18,7 @@ from llmaccel.model.gguf import quants
 from llmaccel.model.loader import hf_dir_for
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.sampling_params import SamplingParams
-from tests.tiny_gguf import write_gguf
+from tests.tiny_gguf import make_llama256, write_gguf
 from tests.tiny_models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
@@ -132,17 +131,7 @@ def test_half_precision_panels_give_the_float32_panels_sums_to_the_bit(dtype):
 
 @pytest.fixture(scope="module")
 def llama256(tmp_path_factory, tiny_tokenizer):
-    """A tiny Llama whose rows are whole K-quant super-blocks (hidden 256, intermediate 512; GQA, untied head)."""
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False, rope_theta=10000.0,
-                         bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
-                         pad_token_id=tiny_tokenizer.pad_token_id)
-    torch.manual_seed(11)
-    out = tmp_path_factory.mktemp("llama256")
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(out)
-    tiny_tokenizer.save_pretrained(out)
-    return out
+    return make_llama256(tmp_path_factory.mktemp("llama256"), tiny_tokenizer)
 
 
 @pytest.fixture(autouse=True)

@@ -122,3 +122,20 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType | di
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def make_llama256(out: Path, tokenizer) -> Path:
+    """A tiny Llama whose rows are whole K-quant super-blocks (hidden 256, intermediate 512; GQA, untied head),
+    saved as an HF directory with the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False, rope_theta=10000.0,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -164,23 +164,14 @@ def gguf_types(root, device):
     (greedy tokens against HF on the GPU); read with --quantization gguf (torch's INT8/INT4 kernels for Q8_0 and
     Q4_x, K-quants dequantized) it scores text as the dense read does."""
     import gguf
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmaccel.model.loader import hf_dir_for
-    from tests.tiny_gguf import write_gguf
+    from tests.tiny_gguf import make_llama256, write_gguf
     from tests.tiny_models import build_tokenizer
 
     q = gguf.GGMLQuantizationType
     tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False, rope_theta=10000.0,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(11)
-    source = root / "llama256"
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(source)
-    tokenizer.save_pretrained(source)
+    source = make_llama256(root / "llama256", tokenizer)
     q4_k_m = {"": q.Q4_K, "blk.0.attn_v.weight": q.Q6_K, "blk.1.ffn_down.weight": q.Q6_K, "output.weight": q.Q6_K}
     prompts = [tokenizer.encode(t) for t in ("The quick brown fox", "你好，世界", "def hello():")]
     text = tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好，世界", add_special_tokens=False)

@@ -130,7 +130,7 @@ class PackedTensors(Mapping[str, object]):
         rows = torch.arange(n) if order is None else torch.from_numpy(order)
         kernels = _kernels() if self.cpu_kernels else None
         if kernels is not None:
-            place = self._place(packed_shape(tensor.tensor_type, n, k))
+            place = self._place(name)
             blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k, place)
             self.weights.file.release(tensor)
             layout = {quants.Q8_0: "int8", quants.Q4_0: "int4", quants.Q4_1: "int4"}.get(
@@ -138,16 +138,17 @@ class PackedTensors(Mapping[str, object]):
             return PackedWeight(layout, blocks, n, k)
         return _torch_format(tensor, rows, k)
 
+    def _packed_shape(self, name: str) -> tuple[int, int, int]:
+        tensor = self.weights.tensor(name)
+        return packed_shape(tensor.tensor_type, tensor.rows, int(tensor.shape[0]))
 
-    def _place(self, shape: tuple[int, int, int]) -> torch.Tensor | None:
-        """Where the next repacked matrix goes: the next bytes of one mapping sized for all of them, in the order
-        the model asks (so a fused projection's parts lie back to back), or None (a new tensor) once spent."""
+    def _place(self, name: str) -> torch.Tensor | None:
+        """Where the named matrix's repacked blocks go: the next bytes of one mapping sized for all of them, in the
+        order the model asks (so a fused projection's parts lie back to back), or None (a new tensor) once spent."""
         if self._arena is None:
-            self._arena = LoadArena(sum(-(-math.prod(packed_shape(self.weights.tensor(name).tensor_type,
-                                                                   self.weights.tensor(name).rows,
-                                                                   int(self.weights.tensor(name).shape[0])))
-                                          // LoadArena.ALIGN) * LoadArena.ALIGN for name in self))
-        return self._arena.take(shape)
+            align = LoadArena.ALIGN
+            self._arena = LoadArena(sum(-(-math.prod(self._packed_shape(n)) // align) * align for n in self))
+        return self._arena.take(self._packed_shape(name))
 
 
 # bytes per 16-row group of the kernels' blocks for one unit of inputs (32, or a 256-input super-block):

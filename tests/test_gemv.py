@@ -41,14 +41,16 @@ def test_panel_layout():
     assert torch.equal(panels[1, :, 4:], torch.zeros(3, 12))  # padding rows
 
 
-def test_float32_is_batch_invariant():
-    """A row's output is bit-identical whatever rows share the call (one summation order everywhere:
-    one to six rows stream whole panels, more go 256 inputs a pass and resume exactly)."""
+@pytest.mark.parametrize("k", [1, 3, 6, 257, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_panels_are_batch_invariant(k, dtype):
+    """A row's output is bit-identical whatever rows share the call (one summation order everywhere: one row
+    streams two panels at a time, up to six rows a panel whole, more go 256 inputs a pass and resume exactly)."""
     gen = torch.Generator().manual_seed(3)
-    n, k = 100, 1536
-    x, panels = torch.randn(300, k, generator=gen), to_panels(torch.randn(n, k, generator=gen))
+    n = 100
+    x, panels = torch.randn(300, k, generator=gen), to_panels(torch.randn(n, k, generator=gen).to(dtype))
     batch = kernels.linear_f32(x, panels, n)
-    for first, count in ((0, 1), (7, 1), (299, 1), (10, 5), (100, 64), (0, 129)):
+    for first, count in ((0, 1), (7, 1), (299, 1), (10, 2), (10, 5), (100, 64), (0, 129), (0, 300)):
         assert torch.equal(kernels.linear_f32(x[first:first + count], panels, n), batch[first:first + count])
 
 

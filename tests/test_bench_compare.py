@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import matplotlib.image
 import numpy as np
 import pytest
 
 from llmaccel.bench.ceiling import ceiling_share
+from llmaccel.bench.compare import _process_tree, peak_rss_bytes
 from llmaccel.bench.sweep import plot_results
 from llmaccel.cli import main
 from tests.live_server import live_server
@@ -37,6 +42,7 @@ def test_compare_starts_both_servers_and_prints_the_table(llama_dir, tmp_path, c
         assert s["single"]["completed"] == 2 and s["single"]["total_output_tokens"] == 48
         assert s["concurrent"]["completed"] == 6 and s["concurrent"]["total_output_tokens"] == 48
         assert s["concurrent"]["failed"] == 0 and s["peak_rss_bytes"] > 50 * 2**20
+        assert 50 * 2**20 < s["load_rss_bytes"] <= s["peak_rss_bytes"]
         # the bandwidth read before the first lone request and after each; each request's own rate
         assert len(s["single"]["read_bandwidth_gbps_around"]) == 3
         assert [round(r, 6) for r in s["single"]["request_output_throughput"]] == [
@@ -124,6 +130,23 @@ def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_pa
     for s in record["systems"]:
         assert s["single"]["total_output_tokens"] == 10 and s["concurrent"]["total_output_tokens"] == 24
         assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20
+
+
+def test_peak_memory_counts_the_processes_a_server_starts():
+    """vLLM's server holds the model in an engine process it starts: its peak is in the sum."""
+    child = "b = bytearray(200 * 2**20); import time; time.sleep(30)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 20
+        while (peak_rss_bytes(proc.pid) or 0) < 200 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert peak_rss_bytes(proc.pid) > 200 * 2**20  # the parent alone holds ~10 MB
+        assert len(_process_tree(proc.pid)) == 2
+    finally:
+        for pid in reversed(_process_tree(proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_a_peer_that_dies_at_start_is_recorded_and_the_others_are_still_measured(llama_dir, tmp_path, capsys):

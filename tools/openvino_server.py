@@ -9,6 +9,7 @@ request runs, request threads only tokenize, queue and stream. It runs in OpenVI
 benchmarks send. Not part of llmaccel.
 
     python tools/openvino_server.py --model OV_DIR --port 8001 [--threads 2] [--cache-gb 2]
+        [--max-num-batched-tokens 256]
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from transformers import AutoTokenizer
 class Engine:
     """Steps the pipeline on one thread and hands each request its new token ids."""
 
-    def __init__(self, model_dir: str, threads: int, cache_gb: int, max_seqs: int) -> None:
+    def __init__(self, model_dir: str, threads: int, cache_gb: int, max_seqs: int, max_batched_tokens: int) -> None:
         scheduler = ov_genai.SchedulerConfig()
         scheduler.cache_size = cache_gb
         scheduler.max_num_seqs = max_seqs
+        scheduler.max_num_batched_tokens = max_batched_tokens
         scheduler.dynamic_split_fuse = True
         scheduler.enable_prefix_caching = False
         self.pipe = ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU",
@@ -144,9 +146,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OpenVINO inference threads (INFERENCE_NUM_THREADS)")
     parser.add_argument("--cache-gb", type=int, default=2, help="KV cache size in GB (SchedulerConfig.cache_size)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences the scheduler runs at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="tokens a step at most (a long prompt's prefill chunk); 256 is OpenVINO GenAI's default")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engine = Engine(args.model, args.threads, args.cache_gb, args.max_num_seqs)
+    engine = Engine(args.model, args.threads, args.cache_gb, args.max_num_seqs, args.max_num_batched_tokens)
     ThreadingHTTPServer.request_queue_size = 256  # listen backlog: 64 clients connect at once (the default is 5)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, tokenizer, args.model))
     server.daemon_threads = True

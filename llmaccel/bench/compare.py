@@ -4,7 +4,8 @@ It starts the HF transformers baseline server (one request at a time) and then l
 the same model, one after the other so neither competes for the cores, and measures on each:
 (a) a lone request of 300 generated tokens, repeated (mean end-to-end latency), and (b) a burst of
 prompts at concurrency 64 (requests per second). Peak memory is the server process's peak RSS
-(VmHWM). `--variant LABEL=FLAGS` adds llmaccel configurations (int8, int4, a dtype);
+(VmHWM, with its child processes': vLLM serves from an engine process), at serving time (the load's peak)
+and at the end. `--variant LABEL=FLAGS` adds llmaccel configurations (int8, int4, a dtype);
 `--peer-command LABEL=COMMAND` adds peer servers (vLLM, llama.cpp) that compare starts itself, in turn,
 each alone on the machine (tools/peers.sh has each peer's best settings); `--peer LABEL=URL` adds
 servers that are already running. Each lone request's share of the machine's bandwidth ceiling
@@ -75,15 +76,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """pid and every live process below it (vLLM serves from an engine process its server starts)."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in children.read_text().split()]
+            except OSError:
+                continue
+    return tree
+
+
 def peak_rss_bytes(pid: int) -> int | None:
-    """The process's peak resident set (VmHWM), Linux only."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """The peak resident set (VmHWM) of the process and its live children, summed (an upper bound where
+    their peaks fell at different times), Linux only."""
+    total = None
+    for member in _process_tree(pid):
+        try:
+            lines = Path(f"/proc/{member}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+                total = (total or 0) + int(line.split()[1]) * 1024
+    return total
 
 
 def start_server(command: list[str], port: int, log: Path, timeout: float = 900,
@@ -174,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             proc = start_server(command, port, logs / f"{label}.log")
+            load_rss = peak_rss_bytes(proc.pid)  # the peak up to serving: the load's
         except RuntimeError as exc:  # one server that dies at start costs the run its column, not the others
             print(f"{label} did not start; measuring the others (log: {logs / label}.log)", file=sys.stderr)
             systems.append({"label": label, "failed_to_start": str(exc)[-2000:]})
@@ -182,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             extra = args.peer_extra_body if any(label == peer for peer, _ in peer_commands) else None
             figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra, weight_bytes)
             figures["start_seconds"] = round(time.monotonic() - started - figures.pop("measure_seconds"), 1)
+            figures["load_rss_bytes"] = load_rss
             figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
         finally:
             stop_server(proc)
@@ -211,6 +232,8 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
          "higher"),
         ("peak memory of the server process (GiB)",
          lambda s: s["peak_rss_bytes"] / 2**30 if s["peak_rss_bytes"] else None, "lower"),
+        ("peak memory up to serving, the load's (GiB)",
+         lambda s: s["load_rss_bytes"] / 2**30 if s.get("load_rss_bytes") else None, "lower"),
         (f"QPS at concurrency {args.concurrency} ({args.num_prompts} x {args.output_len} tokens)",
          lambda s: s["concurrent"]["request_throughput"], "higher"),
         (f"output tokens/s at concurrency {args.concurrency}", lambda s: s["concurrent"]["output_throughput"],

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmaccel.ops.attention import decode_gather, gathered_decode_attention, reference_decode_attention
+from llmaccel.ops.attention import (
+    cached_then_causal_attention,
+    decode_gather,
+    gathered_decode_attention,
+    reference_decode_attention,
+)
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -154,3 +159,21 @@ def test_fused_decode_attention_is_rope_write_and_attend(window):
     torch.testing.assert_close(got, want.reshape(3, heads * dim), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)
     assert torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, offset, n", [(8, 2, 37, 20), (4, 4, 1, 1), (6, 1, 300, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_after_cached_keys_matches_the_masked_attention(num_heads, num_kv_heads, offset, n, dtype):
+    """The cached keys unmasked and the chunk's own causal, merged by log-sum-exp, equal one pass under the
+    [n, offset + n] mask where query i sees keys up to offset + i (HF's chunked prefill)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, num_heads, n, 32, dtype=dtype)
+    keys = torch.randn(1, num_kv_heads, offset + n, 32, dtype=dtype)
+    values = torch.randn(1, num_kv_heads, offset + n, 32, dtype=dtype)
+    mask = torch.arange(offset + n)[None, :] <= torch.arange(n)[:, None] + offset
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
+                                                            scale=0.2, enable_gqa=True)
+    got = cached_then_causal_attention(q, keys, values, offset, 0.2)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)

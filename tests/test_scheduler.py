@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,13 +77,17 @@ def test_the_most_recently_admitted_request_is_preempted_and_requeued_first():
     assert sched.kv_cache.pool.free_block_ids() == [2]
 
 
-def test_a_preempted_request_recomputes_its_prompt_and_output():
+def test_a_preempted_request_recomputes_its_prompt_and_output(caplog):
     sched = _scheduler(num_blocks=4, block_size=4)
     sched.add_request(_request("a", 7, max_tokens=3))
     sched.add_request(_request("b", 7, max_tokens=8))
-    for _ in range(3):
-        _step(sched)  # a finishes after 3 tokens; b was preempted on the way
+    with caplog.at_level(logging.WARNING, logger="llmaccel.engine.scheduler"):
+        for _ in range(3):
+            _step(sched)  # a finishes after 3 tokens; b was preempted on the way
     assert sched.num_preemptions == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "request b preempted: the KV cache is full, so it will recompute its 9 tokens (1 preemptions so far); "
+        "raise --kv-cache-memory or lower --max-num-seqs"]
     plan, _ = _step(sched)
     assert plan == [("b", 9)]  # 7 prompt + 2 generated tokens come back in one chunk
 

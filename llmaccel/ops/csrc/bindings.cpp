@@ -1,5 +1,14 @@
-// The Python module of llmaccel's CPU kernels (one extension, built by llmaccel/ops/cpu_kernels.py).
-#include <torch/extension.h>
+// The Python module of llmaccel's CPU kernels. The only file that includes pybind11 and torch's Python
+// headers (the kernels' own need only aten.h), and the same for every instruction-set level: setup.py
+// compiles it once and links it into each level's library, whose module.cpp names the module.
+#include <pybind11/stl.h>
+#include <torch/python.h>
+
+#include "decode_stack.h"
+
+// module.cpp's, one per build: its instruction-set level and its sources' digest
+extern const char* const llmaccel_kernel_level;
+extern const char* const llmaccel_build_id;
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
@@ -36,15 +45,37 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
 void mask_rows_(torch::Tensor logits, torch::Tensor rows, torch::Tensor masks);
-namespace llmaccel {
-void bind_decode_stack(pybind11::module& m);
+
+static void bind_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  using llmaccel::DecodeStackHandle;
+  using llmaccel::LinearHandle;
+  // module_local: two builds of these kernels in one process (the tests load each level's beside the
+  // native one) would otherwise register the same C++ types twice
+  py::class_<LinearHandle>(m, "StackLinear", py::module_local());
+  m.def("stack_linear", &llmaccel::stack_linear,
+        "a projection's weights for DecodeStack: kind f32 (panels), bf16, bf16_vnni, int8, int4, q4_k, q5_k or q6_k",
+        py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
+  m.def("fused_linear", &llmaccel::fused_linear, "one projection from parts in different layouts, side by side",
+        py::arg("parts"), py::arg("bias"));
+  py::class_<DecodeStackHandle>(m, "DecodeStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, double>())
+      .def("add_layer", &DecodeStackHandle::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("input_norm"), py::arg("post_norm"), py::arg("window"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("pre_mlp_norm") = py::none(),
+           py::arg("post_mlp_norm") = py::none(), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
+           py::arg("activation") = "silu")
+      .def("forward", &DecodeStackHandle::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodeStackHandle::num_layers);
 }
 
 // Every entry point lets go of the GIL while it runs, as torch's own operators do: a decode step
 // spends milliseconds here, and the server's event loop (streaming the last step's tokens, taking
 // new requests) runs meanwhile instead of waiting for the step to end (one lone request +4%,
 // 64 at once +2%: medians of paired runs on 2 cores).
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Python finds a build by its own name (module.cpp's PyInit__kernels_avx2, ...), which calls this one; a
+// module created in phases takes its name from the import, not from here.
+PYBIND11_MODULE(_kernels, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
@@ -82,6 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF", nogil);
   m.def("mask_rows_", &mask_rows_, "grammar bitmasks onto rows of logits, in place (-inf where a bit is clear)",
         nogil);
-  llmaccel::bind_decode_stack(m);
+  bind_decode_stack(m);
+  m.attr("build_id") = llmaccel_build_id;  // names the build in caches of what was timed with it
+  m.attr("level") = llmaccel_kernel_level;
   m.def("gemv_vectorized", &gemv_vectorized, "whether the AVX2 paths were compiled in", nogil);
 }

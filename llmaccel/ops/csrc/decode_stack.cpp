@@ -11,7 +11,8 @@
 // The arithmetic is the kernels' own (kernels.h) in the order the layer-by-layer path runs it, so the
 // two give bit-identical hidden states (tested). Only decode-only steps with float32 activations come
 // here; prefill and mixed steps take the layer-by-layer path.
-#include <torch/extension.h>
+#include "aten.h"
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -22,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_stack.h"
 #include "kernels.h"
 
 namespace llmaccel {
@@ -88,7 +90,7 @@ struct StackLinear {
   }
 };
 
-std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor weight,
+std::shared_ptr<StackLinear> make_stack_linear(const std::string& kind, torch::Tensor weight,
                                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                           int64_t n) {
   auto out = std::make_shared<StackLinear>();
@@ -146,7 +148,7 @@ std::shared_ptr<StackLinear> stack_linear(const std::string& kind, torch::Tensor
 
 // One projection from parts in different layouts, side by side in this order (each's columns a multiple of 16
 // but the last's); the bias, if any, is the whole projection's. Parts stream: panels, INT8, INT4 or K-quants.
-std::shared_ptr<StackLinear> fused_linear(std::vector<std::shared_ptr<StackLinear>> parts,
+std::shared_ptr<StackLinear> make_fused_linear(std::vector<std::shared_ptr<StackLinear>> parts,
                                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(!parts.empty(), "a fused projection needs parts");
   auto out = std::make_shared<StackLinear>();
@@ -646,24 +648,42 @@ class DecodeStack {
   bool has_plain_bf16_ = false, has_packed_ = false, all_quantized_ = true;  // over every layer's projections
 };
 
-void bind_decode_stack(pybind11::module& m) {
-  namespace py = pybind11;
-  // module_local: two builds of these kernels in one process (the tests' -march=haswell build beside the
-  // native one) would otherwise register the same C++ types twice
-  py::class_<StackLinear, std::shared_ptr<StackLinear>>(m, "StackLinear", py::module_local());
-  m.def("stack_linear", &stack_linear,
-        "a projection's weights for DecodeStack: kind f32 (panels), bf16, bf16_vnni, int8, int4, q4_k, q5_k or q6_k",
-        py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("n"));
-  m.def("fused_linear", &fused_linear, "one projection from parts in different layouts, side by side",
-        py::arg("parts"), py::arg("bias"));
-  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, double>())
-      .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("window"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none(), py::arg("pre_mlp_norm") = py::none(), py::arg("post_mlp_norm") = py::none(),
-           py::arg("cos") = py::none(), py::arg("sin") = py::none(), py::arg("activation") = "silu")
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+// The handles bindings.cpp exposes (decode_stack.h): each forwards to the class above.
+LinearHandle stack_linear(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> scale,
+                          c10::optional<torch::Tensor> bias, int64_t n) {
+  return {make_stack_linear(kind, weight, scale, bias, n)};
 }
+
+LinearHandle fused_linear(std::vector<LinearHandle> parts, c10::optional<torch::Tensor> bias) {
+  std::vector<std::shared_ptr<StackLinear>> linears;
+  for (auto& part : parts) linears.push_back(part.linear);
+  return {make_fused_linear(std::move(linears), bias)};
+}
+
+DecodeStackHandle::DecodeStackHandle(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     double eps, torch::Tensor final_norm, double scale, double softcap)
+    : stack_(std::make_shared<DecodeStack>(hidden, num_heads, num_kv_heads, head_dim, eps, final_norm, scale,
+                                           softcap)) {}
+
+void DecodeStackHandle::add_layer(LinearHandle qkv, LinearHandle o, LinearHandle gate_up, LinearHandle down,
+                                  torch::Tensor input_norm, torch::Tensor post_norm, int64_t window,
+                                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                  c10::optional<torch::Tensor> pre_mlp_norm, c10::optional<torch::Tensor> post_mlp_norm,
+                                  c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin,
+                                  const std::string& activation) {
+  stack_->add_layer(qkv.linear, o.linear, gate_up.linear, down.linear, input_norm, post_norm, window, q_norm, k_norm,
+                    pre_mlp_norm, post_mlp_norm, cos, sin, activation);
+}
+
+torch::Tensor DecodeStackHandle::forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos,
+                                         torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                                         std::vector<torch::Tensor> v_caches, torch::Tensor slots,
+                                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                         const std::string& bf16_kernel, bool kv_first) const {
+  return stack_->forward(hidden, positions, cos, sin, std::move(k_caches), std::move(v_caches), slots, block_tables,
+                         context_lens, block_size, bf16_kernel, kv_first);
+}
+
+int64_t DecodeStackHandle::num_layers() const { return stack_->num_layers(); }
 
 }  // namespace llmaccel

@@ -12,7 +12,7 @@
 // which read each weight twice at 64 rows (measured on a Zen 4 with 30 layers' distinct weights). Every output sums
 // its pairs in order p = 0, 1, ..., so a row's result does not depend on the tile, the thread or the
 // rows beside it.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 //   the 4-bit kernel's speed. Each block's integer sum is scaled once in float, in the same order for
 //   any number of rows, so results do not depend on the batch.
 // Builds without AVX-512 VNNI run 8 rows a vector with AVX2 (maddubs), or plain C++.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -16,7 +16,7 @@
 // sum is exact, then scaled once: y += (d * scale) * dot + offset * (d * sum(xq)). Every output row's sum
 // runs in the same order whatever M is and whichever rows share a pass, so a request's results do not
 // depend on its batch. Builds without AVX-512 VNNI run 8 rows a vector with AVX2, or plain C++.
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -21,7 +21,7 @@
 //
 // Activations are INT8 in blocks of 32 (quantize_rows, as the INT4 and INT8 kernels take them); a block's integer
 // sums are exact and scaled once in float32, and every output row's sum runs in the same order whatever M is.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

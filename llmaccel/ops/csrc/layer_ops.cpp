@@ -5,7 +5,7 @@
 // eight to ten ops these replace (F.rms_norm alone 37 us for one row, measured): ~15 ms of a 50 ms
 // token on the default model. Here each is one call that does the arithmetic in float, in HF's formula:
 // RMSNorm normalizes in float32 and casts before the weight multiply; RoPE is rotate-half.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

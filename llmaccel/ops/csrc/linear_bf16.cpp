@@ -7,7 +7,7 @@
 // each bf16 to float32 (a 16-bit shift: bf16 is the top half of a float32) and multiplies in float32,
 // so the machine's read bandwidth is the limit on any AVX2 CPU. The layers use it up to a few rows and
 // oneDNN above (ops/cpu_linear.py); the output of a row does not depend on the rows beside it.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

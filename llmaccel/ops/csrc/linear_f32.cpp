@@ -14,7 +14,7 @@
 // The panels may also hold bfloat16 or float16 weights (a bf16 / f16 checkpoint served in float32 on a CPU
 // without bf16 arithmetic): each is widened to float32 exactly as it is loaded (a shift, or F16C's convert), so
 // the sums are those of the float32 copy, bit for bit, from half the memory and half the read traffic.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -13,7 +13,7 @@
 //   bound by the weights' read, as the plain-layout streaming kernel is.
 // The plain layout's kernels (linear_bf16.cpp, gemm_bf16.cpp, oneDNN) are not given this layout; the
 // model holds one copy in one layout (ops/kernel_choice.py picks the layout and each bucket's kernel).
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 

@@ -4,7 +4,7 @@
 // table, so nothing is gathered or copied. One work item is a sequence; its blocks are read row by row
 // (contiguous memory), each row once per pass for all heads. Threads come from ATen's own
 // pool (at::parallel_for), so the kernel never competes with a second OpenMP runtime.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

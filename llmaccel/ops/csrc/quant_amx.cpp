@@ -12,7 +12,7 @@
 // and the scale multiplies the float32 sums; a scale per 32 inputs (GGUF Q8_0) and INT4's scale and
 // offset are applied before the weight is rounded to bfloat16. ops/kernel_choice.py times this against
 // the streaming kernels per row count and uses it where it is faster.
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 

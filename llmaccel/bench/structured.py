@@ -26,8 +26,6 @@ import statistics
 import time
 from pathlib import Path
 
-import jsonschema
-
 from llmaccel.bench.report import write_result
 from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
@@ -56,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jsonschema  # a test extra: `llmaccel serve` from a plain install imports this module for --help
+
     llm = LLM(args.model, dtype=args.dtype)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p.prompt}])
                for p in builtin_prompts()[:args.batch_size]]

@@ -14,8 +14,9 @@ import uvicorn
 
 from llmaccel.config import EngineConfig, ServerConfig
 from llmaccel.engine.engine import LLMEngine
-from llmaccel.server.app import ServerState, create_app
+from llmaccel.server.app import create_app
 from llmaccel.server.metrics import parse_metrics
+from llmaccel.server.state import ServerState
 
 MODEL_NAME = "tiny"
 

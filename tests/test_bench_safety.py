@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from llmaccel.bench.safety import fit_length, percentile
+from llmaccel.bench.safety import fit_length
+from llmaccel.bench.serve_metrics import percentile
 from llmaccel.cli import main
 
 

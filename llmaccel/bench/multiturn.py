@@ -15,9 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-SYSTEM_PROMPT = ("You are a helpful assistant for a travel company. Answer briefly and politely, in the language "
-                 "of the question. If you do not know something, say so; never invent prices, dates or "
-                 "bookings. Keep every answer under five sentences.")
+from llmaccel.data.prompts import SYSTEM_PROMPT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

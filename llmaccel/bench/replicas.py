@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from llmaccel.bench.multiturn import SYSTEM_PROMPT
+from llmaccel.data.prompts import SYSTEM_PROMPT
 
 ROUTER_NAMES = ("cache-aware", "round-robin", "ray-prefix")
 

@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from llmaccel.bench.serve_metrics import percentile
+
 DEFAULT_LENGTHS = "100,500,1000,2000,4000,8000"
 
 
@@ -45,12 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guard-samples", type=int, default=30, help="prompts timed per length")
     parser.add_argument("--guard-plot", type=Path, metavar="F.png",
                         help="plot recall against false positives over the semantic guard's threshold")
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
 
 
 def fit_length(texts: list[str], length: int, count: int) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from llmaccel.bench.safety import percentile
+from llmaccel.bench.serve_metrics import percentile
 
 
 def evaluate(model: str, guard: str, rule_check, lengths: list[int], samples: int) -> dict:

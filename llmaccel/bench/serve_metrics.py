@@ -96,3 +96,9 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
         for p in percentiles:
             out[f"p{p:g}_{name}_ms"] = float(np.percentile(values, p))
     return out
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]

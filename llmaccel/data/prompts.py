@@ -48,3 +48,9 @@ def read_sharegpt(path: Path) -> list[dict]:
     if not items:
         raise ValueError(f"{path}: no complete conversation found")
     return items
+
+
+# The system prompt of the multi-turn benchmarks (bench multiturn, bench replicas): one shared prefix.
+SYSTEM_PROMPT = ("You are a helpful assistant for a travel company. Answer briefly and politely, in the language "
+                 "of the question. If you do not know something, say so; never invent prices, dates or "
+                 "bookings. Keep every answer under five sentences.")

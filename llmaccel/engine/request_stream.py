@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmaccel.errors import RequestTimeoutError
 from llmaccel.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from llmaccel.engine.async_engine import AsyncEngine
+
+class StreamOwner(Protocol):
+    """What a stream needs of its engine (engine/async_engine.py's AsyncEngine, which imports this
+    module): the open streams by request id, and a way to abort one."""
+
+    _streams: dict[str, RequestStream]
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class Deadline:
@@ -36,7 +42,7 @@ class Deadline:
 class RequestStream:
     """Outputs of one request, in order; iterate with `async for`. Closing it early aborts."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None) -> None:
+    def __init__(self, engine: StreamOwner, request_id: str, deadline: float | None) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

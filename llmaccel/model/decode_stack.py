@@ -26,10 +26,11 @@ from llmaccel.ops.layer_ops import layer_kernels
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
-    from llmaccel.model.causal_lm import CausalLM
     from llmaccel.ops.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+# `model` below is a CausalLM (model/causal_lm.py), typed as the nn.Module it is: causal_lm imports this
+# module to build the stack, and a file never imports one that imports it
 
 
 def stack_linear(kernels, module: nn.Module):
@@ -65,7 +66,7 @@ class DecodeStack:
     def __init__(self, stack, dtype: torch.dtype, choice: Bf16Choice | None) -> None:
         self.stack, self.dtype, self.choice = stack, dtype, choice
 
-    def decode(self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+    def decode(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The final norm's output for a decode-only step, or None where the step is not one it takes."""
         rows = input_ids.shape[0]
@@ -92,7 +93,7 @@ def _layer_extras(layer: nn.Module) -> dict:
     return extras
 
 
-def build_decode_stack(model: CausalLM) -> DecodeStack | None:
+def build_decode_stack(model: nn.Module) -> DecodeStack | None:
     """The model's layers in a C++ stack, or None (the reason logged) where it does not apply."""
     kernels = load_cpu_kernels()
     if kernels is None or not hasattr(kernels, "DecodeStack") or gemv_kernels() is None or layer_kernels() is None:

@@ -30,7 +30,7 @@ from llmaccel.server.job import prime_streams
 from llmaccel.server.serving import OpenAIServing, error_info
 
 if TYPE_CHECKING:
-    from llmaccel.server.app import ServerState
+    from llmaccel.server.state import ServerState
 
 
 async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -43,33 +42,12 @@ from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
 from llmaccel.server.serving import OpenAIServing
+from llmaccel.server.state import ServerState
 from llmaccel.server.stats import DashboardStats, engine_summary
 from llmaccel.server.ui_routes import add_ui, results_router
 from llmaccel.structured.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    metrics: ServerMetrics
-    model_names: tuple[str, ...]
-    engine: AsyncEngine | None = None
-    small_engine: AsyncEngine | None = None  # a cascade's small model (--cascade-small)
-    serving: OpenAIServing | None = None
-    draining: bool = False
-    load_error: BaseException | None = None
-    created: int = 0
-    rate_limiter: RateLimiter | None = None
-    gate: Gate | None = None
-    engine_died: bool = False  # the engine stopped after failing steps: the process should exit non-zero
-    stats: DashboardStats | None = None  # /v1/llmaccel/stats, once the engine is up
-
-    @property
-    def engines_alive(self) -> bool:
-        return self.engine is not None and self.engine.is_alive and (
-            self.small_engine is None or self.small_engine.is_alive)
-
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | None, model_name: str,
                on_fatal: Callable[[], None] | None = None,

@@ -7,87 +7,7 @@ import importlib
 import logging
 import sys
 
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="model alias (smollm2-135m), a .gguf file, or an HF directory with safetensors")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto: bfloat16 where the hardware computes it natively (CUDA, or a CPU with "
-                        "AMX or AVX512-BF16), float32 elsewhere (the choice is logged at start); or float32, bfloat16")
-    parser.add_argument("--quantization", choices=("int8", "int4", "gguf"),
-                        help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
-                             "in --dtype); gguf: a GGUF model's own tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: "
-                             "llama.cpp's presets such as Q4_K_M) as they are, embedding and LM head included, in "
-                             "the file's memory and no more")
-    parser.add_argument("--quant-group-size", type=int,
-                        help="INT4 group size: 32 (default, as GGUF's Q4_0/Q4_1), 64 or 128")
-    parser.add_argument("--quantize-embedding", action="store_true",
-                        help="hold the embedding and LM head in INT8 too, one copy when tied (with --quantization "
-                             "gguf a file's quantized tables are used as they are); saves most of a small model's "
-                             "remaining float weights")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
-    parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="do not reuse the KV of prompt prefixes seen before (on by default: full blocks are "
-                             "hashed with their whole prefix, kept after use and evicted least recently used first)")
-    parser.add_argument("--kv-window", type=int, metavar="W",
-                        help="StreamingLLM: each sequence keeps the KV of its last W tokens (and its --kv-sinks "
-                             "first ones); blocks the window has passed are freed, so KV memory per sequence stays "
-                             "flat however long the conversation (positions stay absolute, up to the model's own "
-                             "maximum)")
-    parser.add_argument("--kv-sinks", type=int, default=4, metavar="S",
-                        help="with --kv-window: the first S tokens (attention sinks) always stay")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
-    parser.add_argument("--max-model-len", type=int,
-                        help="context window (default: the model's, capped by the KV budget)")
-    spec = parser.add_argument_group("speculative decoding (the output stays the model's own: greedy is "
-                                     "token-identical in float32 and for a lone request in bf16, sampling follows "
-                                     "its distribution)")
-    spec.add_argument("--speculative-model", metavar="DIR",
-                      help="a smaller draft model with the same tokenizer (e.g. a student from `llmaccel distill`), "
-                           "or a draft head trained for this model by `llmaccel distill-head` (one layer reading the "
-                           "model's own hidden states, EAGLE-style); it proposes tokens the model verifies in one pass")
-    spec.add_argument("--speculative-method", choices=("draft", "ngram"),
-                      help="draft: the --speculative-model (implied by it); ngram: prompt lookup, drafts copied from "
-                           "earlier in the context, no second model (strong for edits, summaries, code)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=2, metavar="K",
-                      help="drafts verified per request and step (1-16)")
-    spec.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
-                      help="ngram: the longest context suffix searched for earlier in the context")
-    spec.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N", help="ngram: the shortest")
-    spec.add_argument("--speculative-max-batch", type=int, metavar="B",
-                      help="speculate only while at most B requests run (default: decided per batch size by the "
-                           "tokens/s measured with and without drafts while serving)")
-    spec.add_argument("--speculative-lookup", action="store_true",
-                      help="with --speculative-model: draft by prompt lookup where the context's suffix occurred "
-                           "before (the answer repeats the prompt or itself), by the draft model elsewhere")
-    spec.add_argument("--speculative-draft-vocab", type=int, metavar="N",
-                      help="cut the draft model's LM head to its N most frequent tokens (counted in the draft's "
-                           "token_counts.json, which `llmaccel distill` writes, else in the built-in corpora): a "
-                           "draft pass then reads N rows of the head instead of the whole vocabulary's (a draft head: "
-                           "default the size it was trained for)")
-
-
-def _engine_options(args: argparse.Namespace) -> dict:
-    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
-                   quant_group_size=args.quant_group_size,
-                   quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
-                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                   kv_window=args.kv_window, kv_sinks=args.kv_sinks,
-                   max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
-    if args.num_kv_blocks:
-        options["num_kv_blocks"] = args.num_kv_blocks
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
-    options.update(speculative_model=args.speculative_model, speculative_method=args.speculative_method,
-                   num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
-                   prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch,
-                   speculative_draft_vocab=args.speculative_draft_vocab, speculative_lookup=args.speculative_lookup)
-    return options
+from llmaccel.engine_args import add_engine_arguments, engine_options
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **_engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
@@ -134,19 +54,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from llmaccel.cluster import launch as cluster_launch
+    from llmaccel.cluster import options as cluster_options
     from llmaccel.server import launch
 
-    options = {**_engine_options(args), **launch.guard_options(args)}
-    if cluster_launch.wants_replicas(args):
+    options = {**engine_options(args), **launch.guard_options(args)}
+    if cluster_options.wants_replicas(args):
         return cluster_launch.serve(args.model, options, launch.server_config(args),
-                                    cluster_launch.cluster_config(args), args.log_level, access_log=args.access_log)
+                                    cluster_options.cluster_config(args), args.log_level, access_log=args.access_log)
     return launch.serve(args.model, options, launch.server_config(args), args.log_level, access_log=args.access_log)
 
 
 def _chat(args: argparse.Namespace) -> int:
     from llmaccel import chat
 
-    return chat.run(args, _engine_options(args))
+    return chat.run(args, engine_options(args))
 
 
 _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments function, its run function
@@ -205,18 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API (chat and text completions)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_engine_arguments(serve)
-    from llmaccel.server import launch
+    from llmaccel.cluster import options as cluster_options
 
-    launch.add_arguments(serve)
-    from llmaccel.cluster import launch as cluster_launch
-
-    cluster_launch.add_arguments(serve)
+    cluster_options.add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="interactive terminal chat, streamed (a local model or a server's)",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_engine_arguments(chat)
+    add_engine_arguments(chat)
     from llmaccel import chat as chat_module
 
     chat_module.add_arguments(chat)
@@ -227,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
-    _add_engine_arguments(gen)
+    add_engine_arguments(gen)
     _add_sampling_arguments(gen)
     gen.set_defaults(func=_generate)
 

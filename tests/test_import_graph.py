@@ -2,14 +2,11 @@
 
 The graph is grimp's (the engine of import-linter), over every import in the package: at the top of a
 file, inside a function, and under TYPE_CHECKING (a type-only import is still a dependency of the
-design). One circle remains, known and listed here until it is broken (issue 44): the CLI, the cluster's
-launch and its Ray deployment, which builds the CLI's parser for `serve run`. A new circle fails."""
+design)."""
 
 from __future__ import annotations
 
 import grimp
-
-KNOWN = {frozenset({"llmaccel.cli", "llmaccel.cluster.deployment", "llmaccel.cluster.launch"})}
 
 
 def circles(graph: grimp.ImportGraph) -> list[frozenset[str]]:
@@ -62,9 +59,7 @@ def test_the_circle_finder_finds_a_circle_and_nothing_else():
     assert circles(graph) == [frozenset({"a", "b", "c"})]
 
 
-def test_no_circles_but_the_known_one():
+def test_no_circles_in_llmaccel():
     graph = grimp.build_graph("llmaccel", include_external_packages=False)
-    found = set(circles(graph))
-    new = [sorted(circle) for circle in found - KNOWN]
-    assert not new, f"import circles: {new} (move what both use down to a module below them)"
-    assert found == KNOWN, f"a known circle is gone: drop it from KNOWN ({sorted(map(sorted, KNOWN - found))})"
+    found = [sorted(circle) for circle in circles(graph)]
+    assert not found, f"import circles: {found} (move what both use down to a module below them)"

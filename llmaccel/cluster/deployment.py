@@ -12,64 +12,15 @@ with underscores: model, replicas, min_replicas, max_replicas, router, plus engi
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import argparse
 
 from llmaccel.cluster.kv_index import STATE_ACTOR, ClusterState
+from llmaccel.cluster.options import ClusterConfig
 from llmaccel.cluster.replica import EngineReplica
 from llmaccel.cluster.routing import ROUTERS
 from llmaccel.config import ServerConfig
 
 DEPLOYMENT = "LLMEngineReplica"
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """How many engine replicas run, how they scale, and how requests are routed among them."""
-
-    replicas: int = 2  # fixed count; with max_replicas, the number to start with
-    min_replicas: int | None = None  # with max_replicas: autoscale between the two on ongoing requests
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 16.0  # per replica, what the autoscaler aims for
-    upscale_delay_s: float = 3.0
-    downscale_delay_s: float = 30.0
-    autoscale_window_s: float = 10.0  # the autoscaler averages load over this look-back window
-    router: str = "cache-aware"  # a key of router.ROUTERS
-    imbalance: int = 8  # cache-aware: a replica this many requests busier than the lightest ...
-    imbalance_ratio: float = 1.5  # ... and this many times as busy loses its claim to the prompt
-    threads_per_replica: int | None = None  # torch threads of each replica; None: the cores / most replicas
-    max_ongoing_requests: int = 512  # requests one replica accepts at once (the engine queues them)
-    stream_interval_s: float = 0.02  # a replica sends a stream's tokens at most this often (the first at once)
-    updates_per_s: float = 200.0  # and all its streams together at most this many updates a second
-    address: str | None = None  # a running Ray cluster ("auto", "ray://host:10001"); None: start a local one
-    namespace: str = "llmaccel"
-    health_check_period_s: float = 2.0
-    health_check_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
-        if (self.min_replicas is None) != (self.max_replicas is None):
-            raise ValueError("--min-replicas and --max-replicas go together (autoscaling between them)")
-        if self.autoscaling:
-            if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-                raise ValueError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1, got "
-                                 f"{self.min_replicas} and {self.max_replicas}")
-            if not self.min_replicas <= self.replicas <= self.max_replicas:
-                raise ValueError(f"--replicas {self.replicas} (the starting count) must lie between "
-                                 f"--min-replicas {self.min_replicas} and --max-replicas {self.max_replicas}")
-        elif self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.max_replicas is not None
-
-    @property
-    def threads(self) -> int:
-        if self.threads_per_replica is not None:
-            return self.threads_per_replica
-        return max(1, len(os.sched_getaffinity(0)) // (self.max_replicas or self.replicas))
 
 
 def ensure_state_actor(namespace: str):
@@ -140,23 +91,25 @@ def build_app(args: dict):
     Serve config file's `import_path`; `args` are `llmaccel serve` flags without the dashes."""
     from ray import serve
 
-    from llmaccel.cli import _engine_options, build_parser
-    from llmaccel.cluster import launch
+    from llmaccel.cluster import options as cluster_options
+    from llmaccel.engine_args import engine_options
     from llmaccel.server import launch as server_launch
 
-    flags = ["serve"]
+    flags = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True or value in ("true", "True", ""):  # a switch: `no_result_cache=true`
             flags.append(flag)
         elif not (value is False or value in ("false", "False")):
             flags += [flag, str(value)]
-    parsed = build_parser().parse_args(flags)
-    if not launch.wants_replicas(parsed):
+    parser = argparse.ArgumentParser(prog="llmaccel serve")
+    cluster_options.add_serve_arguments(parser)
+    parsed = parser.parse_args(flags)
+    if not cluster_options.wants_replicas(parsed):
         parsed.replicas = 1
-    server, cluster = server_launch.server_config(parsed), launch.cluster_config(parsed)
-    launch.check_supported(server)
-    options = _engine_options(parsed)
+    server, cluster = server_launch.server_config(parsed), cluster_options.cluster_config(parsed)
+    cluster_options.check_supported(server)
+    options = engine_options(parsed)
     ensure_state_actor(cluster.namespace)
     ingress = serve.deployment(serve.ingress()(Ingress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine_application(parsed.model, options, server, cluster), parsed.model, options, server,

@@ -23,7 +23,15 @@ from pathlib import Path
 from types import ModuleType
 
 from llmaccel.config import default_cache_dir
-from llmaccel.ops.kernel_levels import COMMON_FLAGS, CSRC, KernelLevel, level_named, source_digest, supported_levels
+from llmaccel.ops.kernel_levels import (
+    COMMON_FLAGS,
+    CSRC,
+    KernelLevel,
+    level_named,
+    source_digest,
+    sources,
+    supported_levels,
+)
 from llmaccel.platform import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -32,7 +40,7 @@ logger = logging.getLogger(__name__)
 NATIVE_FLAGS = ("-march=native", "-mtune=generic")
 LEVEL_ENV = "LLMACCEL_KERNEL_LEVEL"  # a level's name (avx2, avx512, avx512_bf16) or native: that build only
 _BUILT = "built"  # written in a build directory once its module has loaded
-_lock = threading.RLock()  # load_cpu_kernels holds it while a forced level loads
+_lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
 
@@ -195,7 +203,7 @@ def _build_native() -> ModuleType:
     with _build_guard(build_dir):
         module = _import_built(name, build_dir)
         if module is None:
-            module = load(name=name, sources=[str(path) for path in sorted(CSRC.glob("*.cpp"))],
+            module = load(name=name, sources=[str(path) for path in sources()],
                           build_directory=str(build_dir), extra_cflags=flags,
                           extra_ldflags=["-fopenmp"], verbose=False)
             (build_dir / _BUILT).touch()

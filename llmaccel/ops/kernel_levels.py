@@ -61,6 +61,7 @@ def supported_levels(features: set[str] | frozenset[str]) -> list[KernelLevel]:
 
 
 def sources() -> list[Path]:
+    """The kernels' C++ files (the headers beside them are included, not compiled)."""
     return sorted(CSRC.glob("*.cpp"))
 
 
@@ -68,6 +69,6 @@ def source_digest() -> str:
     """Names the kernels' sources (and the build flags): a prebuilt library whose build_id differs was
     built from other sources (an editable checkout whose C++ changed since `make setup`)."""
     digest = hashlib.sha256(BUILD_FLAGS_VERSION.encode())
-    for path in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
+    for path in sources() + sorted(CSRC.glob("*.h")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llmaccel.bench.ceiling import ceiling_share
-from llmaccel.bench.compare import _process_tree, peak_rss_bytes
+from llmaccel.bench.servers import _process_tree, peak_rss_bytes
 from llmaccel.bench.sweep import plot_results
 from llmaccel.cli import main
 from tests.live_server import live_server
@@ -43,8 +43,9 @@ def test_compare_starts_both_servers_and_prints_the_table(llama_dir, tmp_path, c
         assert s["concurrent"]["completed"] == 6 and s["concurrent"]["total_output_tokens"] == 48
         assert s["concurrent"]["failed"] == 0 and s["peak_rss_bytes"] > 50 * 2**20
         assert 50 * 2**20 < s["load_rss_bytes"] <= s["peak_rss_bytes"]
-        # the bandwidth read before the first lone request and after each; each request's own rate
-        assert len(s["single"]["read_bandwidth_gbps_around"]) == 3
+        # the bandwidth read before and after each lone request, each after the one before it; each request's rate
+        beside = s["single"]["read_bandwidth_gbps_beside"]
+        assert len(beside) == 2 and beside[0][1] == beside[1][0]
         assert [round(r, 6) for r in s["single"]["request_output_throughput"]] == [
             round(24 / e, 6) for e in s["single"]["e2els"]]
     assert systems[0]["single"]["ceiling_share"] is None  # the HF baseline does not say its weight bytes
@@ -53,7 +54,7 @@ def test_compare_starts_both_servers_and_prints_the_table(llama_dir, tmp_path, c
 
 
 def test_ceiling_share_holds_each_repeat_against_the_readings_either_side():
-    single = {"read_bandwidth_gbps_around": [30.0, 40.0, 50.0], "request_output_throughput": [100.0, 200.0],
+    single = {"read_bandwidth_gbps_beside": [[30.0, 40.0], [40.0, 50.0]], "request_output_throughput": [100.0, 200.0],
               "output_throughput": 150.0}
     share = ceiling_share(single, 10**8)
     assert share == {"weight_bytes": 10**8, "median": pytest.approx((100 / 350 + 200 / 450) / 2),
@@ -125,11 +126,51 @@ def test_compare_runs_variants_and_started_peers_one_at_a_time(llama_dir, tmp_pa
     assert [s["label"] for s in record["systems"]] == ["tiny-int8", "stand-in"]
     assert record["commands"]["stand-in"][-2:] == ["--num-kv-blocks", "64"]
     assert record["machine"]["cpu"] and record["machine"]["read_bandwidth_gbps"] > 0
-    assert all(len(s["single"]["read_bandwidth_gbps_around"]) == 2 for s in record["systems"])
+    assert all(len(s["single"]["read_bandwidth_gbps_beside"]) == 1 for s in record["systems"])
+    assert [s["paired_with"] for s in record["systems"]] == [[], []]  # one server at a time
     assert record["systems"][1]["single"]["ceiling_share"]["weight_bytes"] == 10**6  # the flag over /metrics
     for s in record["systems"]:
         assert s["single"]["total_output_tokens"] == 10 and s["concurrent"]["total_output_tokens"] == 24
         assert s["start_seconds"] > 0 and s["peak_rss_bytes"] > 50 * 2**20
+
+
+def test_paired_servers_run_side_by_side_and_take_turns_at_the_lone_request(llama_dir, tmp_path, capsys):
+    """--paired: a variant and its peer are up together; their lone requests alternate A B, B A, so each
+    request's bandwidth reading after it is the next request's reading before it, across the two servers."""
+    out = tmp_path / "paired.json"
+    peer = f"{sys.executable} -m llmaccel.cli serve --model {llama_dir} --num-kv-blocks 64"
+    assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "2", "--concurrency", "2",
+                 "--output-len", "4", "--single-output-len", "6", "--single-repeat", "2", "--no-progress",
+                 "--skip-baseline", "--skip-llmaccel", "--interleave", "--paired",
+                 "--variant", "ours=--num-kv-blocks 64", "--peer-command", f"theirs={peer}",
+                 "--result-json", str(out)]) == 0
+    ours, theirs = json.loads(out.read_text())["systems"]
+    assert (ours["label"], ours["paired_with"], theirs["label"], theirs["paired_with"]) == (
+        "ours", ["theirs"], "theirs", ["ours"])
+    a, b = ours["single"]["read_bandwidth_gbps_beside"], theirs["single"]["read_bandwidth_gbps_beside"]
+    assert a[0][1] == b[0][0] and b[0][1] == b[1][0] and b[1][1] == a[1][0]  # A, B, then B, A
+    for s in (ours, theirs):
+        assert s["single"]["total_output_tokens"] == 12 and s["concurrent"]["total_output_tokens"] == 8
+        assert s["start_seconds"] > 0 and s["load_rss_bytes"] <= s["peak_rss_bytes"]
+
+
+def test_a_pair_that_would_not_fit_in_memory_runs_one_after_the_other(llama_dir, tmp_path, capsys):
+    out = tmp_path / "apart.json"
+    peer = f"{sys.executable} -m llmaccel.cli serve --model {llama_dir} --num-kv-blocks 64"
+    assert main(["bench", "compare", "--model", str(llama_dir), "--num-prompts", "2", "--concurrency", "2",
+                 "--output-len", "4", "--single-output-len", "6", "--single-repeat", "1", "--no-progress",
+                 "--skip-baseline", "--skip-llmaccel", "--interleave", "--paired",
+                 "--variant", "ours=--num-kv-blocks 64", "--peer-command", f"huge={peer}",
+                 "--weight-bytes", "huge=1e15", "--result-json", str(out)]) == 0
+    assert "huge does not fit beside ours: measured after it" in capsys.readouterr().err
+    systems = json.loads(out.read_text())["systems"]
+    assert [(s["label"], s["paired_with"]) for s in systems] == [("ours", []), ("huge", [])]
+    assert all(s["single"]["total_output_tokens"] == 6 for s in systems)
+
+
+def test_paired_needs_interleave(llama_dir, capsys):
+    assert main(["bench", "compare", "--model", str(llama_dir), "--skip-baseline", "--paired"]) == 2
+    assert "--paired takes its pairs from --interleave" in capsys.readouterr().err
 
 
 def test_peak_memory_counts_the_processes_a_server_starts():

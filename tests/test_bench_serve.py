@@ -8,8 +8,8 @@ import json
 import pytest
 
 from llmaccel.bench import datasets
-from llmaccel.bench.compare import free_port
 from llmaccel.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
+from llmaccel.bench.servers import free_port
 from llmaccel.cli import main
 from tests.live_server import live_server
 

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from llmaccel.bench.compare import free_port
+from llmaccel.bench.servers import free_port
 from tests.live_server import MODEL_NAME, live_server, wait_until
 
 SYSTEM = ("You are the assistant of a small bookshop. Answer in one short sentence and never invent "

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from llmaccel.bench.compare import free_port
+from llmaccel.bench.servers import free_port
 from llmaccel.config import ServerConfig
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.engine.request_group import Sample

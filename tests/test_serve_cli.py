@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from llmaccel.bench import compare
-from llmaccel.bench.compare import free_port
+from llmaccel.bench import servers
+from llmaccel.bench.servers import free_port
 from llmaccel.cli import main
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ from tests.live_server import MODEL_NAME, live_server
 
 def start_server(args: list[str], log: Path, timeout: float = 240) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    return compare.start_server([sys.executable, "-m", "llmaccel.cli", "serve", *args], port, log,
+    return servers.start_server([sys.executable, "-m", "llmaccel.cli", "serve", *args], port, log,
                                 timeout), f"http://127.0.0.1:{port}"
 
 

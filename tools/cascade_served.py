@@ -24,7 +24,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
+from llmaccel.bench.servers import free_port, start_server, stop_server  # noqa: E402
 from llmaccel.data.prompts import builtin_prompts  # noqa: E402
 from llmaccel.platform import machine_record  # noqa: E402
 

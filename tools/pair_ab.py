@@ -25,7 +25,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
+from llmaccel.bench.servers import free_port, start_server, stop_server  # noqa: E402
 from llmaccel.data.prompts import builtin_prompts  # noqa: E402
 
 LONE_PROMPT = "Tell me a long story about a dragon and a knight."

@@ -11,7 +11,9 @@
 #
 # --shape compares at a published model's shape with random weights (`llmaccel bench make-model` writes the
 # GGUF files under $SHAPES_DIR, default ~/.cache/llmaccel/shapes; K-quants by llama.cpp's own llama-quantize):
-# llmaccel (--quantization gguf) and llama.cpp's server on each same file. W1 = one chat prompt x 128 tokens
+# llmaccel (--quantization gguf) and llama.cpp's server on each same file, started side by side (`bench compare
+# --paired`: their lone requests take turns, so the VM's drifting bandwidth weighs on both alike; a server that
+# does not fit in memory beside the others runs after them). W1 = one chat prompt x 128 tokens, five repeats
 # (64 at 8B), W2 = 64 prompts x 64 at concurrency 64 (16 x 32 at 8B). Speed and memory only: the weights are
 # random. --openvino adds OpenVINO GenAI at the nearest weight format of each (BF16: fp16, Q8_0 and Q6_K: int8,
 # the 4- and 5-bit ones: int4 with groups of 128), exported by optimum-intel from the shape's HF checkpoint
@@ -147,9 +149,9 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
     big=$([[ $SHAPE == llama-8b || $SHAPE == qwen-7b ]] && echo 1 || echo 0)
     slots=$([[ $big == 1 ]] && echo 16 || echo 64)
     ctx=$([[ $big == 1 ]] && echo 4096 || echo 16384)
-    shape_args=(--skip-baseline --skip-llmaccel --interleave --num-prompts "$slots" --concurrency "$slots"
+    shape_args=(--skip-baseline --skip-llmaccel --interleave --paired --num-prompts "$slots" --concurrency "$slots"
                 --output-len "$([[ $big == 1 ]] && echo 32 || echo 64)"
-                --single-output-len "$([[ $big == 1 ]] && echo 64 || echo 128)" --single-repeat 3)
+                --single-output-len "$([[ $big == 1 ]] && echo 64 || echo 128)" --single-repeat 5)
     first=""
     ov_formats=""
     for kind in ${FORMATS//,/ }; do

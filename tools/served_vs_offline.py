@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from llmaccel.bench.compare import free_port, start_server
+from llmaccel.bench.servers import free_port, start_server
 
 OFFLINE = """
 import sys, time

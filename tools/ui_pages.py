@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
-from llmaccel.bench.compare import free_port, start_server, stop_server  # noqa: E402
 from llmaccel.bench.paired import markdown_table, paired_summary, rotated  # noqa: E402
+from llmaccel.bench.servers import free_port, start_server, stop_server  # noqa: E402
 from llmaccel.platform import describe  # noqa: E402
 from tests.browser import headless_chromium  # noqa: E402
 from tests.live_server import wait_until  # noqa: E402

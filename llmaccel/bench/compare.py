@@ -19,19 +19,16 @@ import argparse
 import asyncio
 import json
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from llmaccel.bench import datasets
 from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
 from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
+from llmaccel.bench.servers import available_memory_bytes, free_port, peak_rss_bytes, start_server, stop_server
 from llmaccel.platform import machine_record
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -62,74 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "request's share of the bandwidth ceiling; llmaccel servers report theirs (repeatable)")
     parser.add_argument("--skip-baseline", action="store_true", help="do not start the HF baseline")
     parser.add_argument("--interleave", action="store_true",
-                        help="run the i-th variant, then the i-th peer command, then the next pair (a machine whose "
-                             "speed drifts then weighs on both sides of each pair alike)")
+                        help="deal the peer commands out to the variants (peer j to variant j mod the number of "
+                             "variants) and run each variant right before its peers, so a machine whose speed drifts "
+                             "weighs on both sides alike")
+    parser.add_argument("--paired", action="store_true",
+                        help="with --interleave: start each variant's group (it and its peers) side by side and let "
+                             "their lone requests take turns (A B, B A, ...), so the group's W1 ratios are measured "
+                             "within minutes on this machine's bandwidth, not across its drift; a server that would "
+                             "not fit in memory beside the others runs after them")
     parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
     parser.add_argument("--result-json", type=Path, help="write every figure here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _process_tree(pid: int) -> list[int]:
-    """pid and every live process below it (vLLM serves from an engine process its server starts)."""
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        for children in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                todo += [int(child) for child in children.read_text().split()]
-            except OSError:
-                continue
-    return tree
-
-
-def peak_rss_bytes(pid: int) -> int | None:
-    """The peak resident set (VmHWM) of the process and its live children, summed (an upper bound where
-    their peaks fell at different times), Linux only."""
-    total = None
-    for member in _process_tree(pid):
-        try:
-            lines = Path(f"/proc/{member}/status").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            if line.startswith("VmHWM:"):
-                total = (total or 0) + int(line.split()[1]) * 1024
-    return total
-
-
-def start_server(command: list[str], port: int, log: Path, timeout: float = 900,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `command --port PORT` with its output in `log`; return once /health answers 200."""
-    proc = subprocess.Popen(command + ["--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{' '.join(command)} did not come up; its log:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM (the server drains), then kill if it has not exited within a minute."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def _labelled(value: str) -> tuple[str, str]:
@@ -150,26 +90,92 @@ def _weight_bytes(value: str) -> tuple[str, int]:
     return label, count
 
 
-def _measure(url: str, label: str, args: argparse.Namespace, tokenizer, extra_body: dict | None = None,
-             weight_bytes: dict[str, int] | None = None) -> dict:
-    began = time.monotonic()
-    bench = benchmark_args(url, label)  # bench serve's own defaults, so both commands measure alike
+def _bench(url: str, label: str, extra_body: dict | None, tokenizer) -> argparse.Namespace:
+    """bench serve's own defaults, so both commands measure alike; one short warm-up request sent."""
+    bench = benchmark_args(url, label)
     bench.extra_body = extra_body
-    single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
     warm = datasets.SampleRequest("Hello!", 0, 8)
-    progress = not args.no_progress
     asyncio.run(run_benchmark(bench, [warm], tokenizer, float("inf"), 1, progress=False))
-    weight_bytes = weight_bytes or {}
-    single = lone_requests(bench, single_prompt, args.single_repeat, tokenizer, progress)
-    single["ceiling_share"] = ceiling_share(single, weight_bytes.get(label) or served_weight_bytes(url))
-    burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
-    loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
-                                       progress=progress))
-    return {"label": label, "single": single, "concurrent": loaded, "measure_seconds": time.monotonic() - began}
+    return bench
+
+
+def _measure(benches: list[argparse.Namespace], args: argparse.Namespace, tokenizer,
+             weight_bytes: dict[str, int]) -> list[dict]:
+    """W1 on every server (taking turns where there are several) and then W2 on each, one after another."""
+    progress = not args.no_progress
+    single_prompt = datasets.SampleRequest(SINGLE_PROMPT, 0, args.single_output_len)
+    singles = lone_requests(benches, single_prompt, args.single_repeat, tokenizer, progress)
+    figures = []
+    for bench, single in zip(benches, singles, strict=True):
+        single["ceiling_share"] = ceiling_share(single, weight_bytes.get(bench.label)
+                                                or served_weight_bytes(bench.base_url))
+        burst = datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
+        loaded = asyncio.run(run_benchmark(bench, burst, tokenizer, float("inf"), args.concurrency,
+                                           progress=progress))
+        figures.append({"label": bench.label, "single": single, "concurrent": loaded})
+    return figures
+
+
+def _room_for(proc: subprocess.Popen, label: str, weight_bytes: dict[str, int]) -> bool:
+    """Whether a second server fits beside this one: about this one's resident size again (the pair serves
+    the same file), or the given weight bytes if larger, plus 30% and a 2 GiB KV cache."""
+    need = max(peak_rss_bytes(proc.pid) or 0, weight_bytes.get(label, 0)) * 1.3 + 2 * 2**30
+    available = available_memory_bytes()
+    return available is None or available > need
+
+
+def _run_group(group: list[tuple[str, list[str]]], args: argparse.Namespace, tokenizer, logs: Path,
+               weight_bytes: dict[str, int], peer_labels: set[str]) -> list[dict]:
+    """Start the group's servers side by side (one where memory would not hold the next), measure, stop."""
+    started: list[tuple[str, subprocess.Popen, str, float, int | None]] = []  # label, process, url, start s, load RSS
+    systems: list[dict] = []
+    try:
+        for label, command in group:
+            if started and not _room_for(started[0][1], label, weight_bytes):
+                print(f"{label} does not fit beside {started[0][0]}: measured after it", file=sys.stderr)
+                systems += _finish(started, args, tokenizer, weight_bytes, peer_labels)
+                started = []
+            port = free_port()
+            print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
+            began = time.monotonic()
+            try:
+                proc = start_server(command, port, logs / f"{label}.log")
+            except RuntimeError as exc:  # one server that dies at start costs the run its column, not the others
+                print(f"{label} did not start; measuring the others (log: {logs / label}.log)", file=sys.stderr)
+                systems.append({"label": label, "failed_to_start": str(exc)[-2000:]})
+                continue
+            # the peak up to serving (the load's), and the start time
+            started.append((label, proc, f"http://127.0.0.1:{port}", round(time.monotonic() - began, 1),
+                            peak_rss_bytes(proc.pid)))
+        systems += _finish(started, args, tokenizer, weight_bytes, peer_labels)
+        started = []
+    finally:
+        for _, proc, *_ in started:
+            stop_server(proc)
+    order = [label for label, _ in group]
+    return sorted(systems, key=lambda s: order.index(s["label"]))
+
+
+def _finish(started: list, args: argparse.Namespace, tokenizer, weight_bytes: dict[str, int],
+            peer_labels: set[str]) -> list[dict]:
+    """Measure the servers that are up, then stop them."""
+    try:
+        benches = [_bench(url, label, args.peer_extra_body if label in peer_labels else None, tokenizer)
+                   for label, _, url, *_ in started]
+        figures = _measure(benches, args, tokenizer, weight_bytes) if benches else []
+        for figure, (_, proc, _, start_seconds, load_rss) in zip(figures, started, strict=True):
+            figure.update(start_seconds=start_seconds, load_rss_bytes=load_rss, peak_rss_bytes=peak_rss_bytes(proc.pid),
+                          paired_with=[label for label, *_ in started if label != figure["label"]])
+        return figures
+    finally:
+        for _, proc, *_ in started:
+            stop_server(proc)
 
 
 def run(args: argparse.Namespace) -> int:
     weight_bytes = dict(_weight_bytes(value) for value in args.weight_bytes)  # bad input fails before any work
+    if args.paired and not args.interleave:
+        raise ValueError("--paired takes its pairs from --interleave: give both")
     tokenizer = tokenizer_for(argparse.Namespace(tokenizer=args.model, model=args.model))
     systems: list[dict] = []
     logs = Path(tempfile.mkdtemp(prefix="llmaccel-compare-"))
@@ -182,40 +188,23 @@ def run(args: argparse.Namespace) -> int:
     variants = [(label, [*serve, *shlex.split(flags)]) for label, flags in map(_labelled, args.variant)]
     peer_commands = [_labelled(value) for value in args.peer_command]
     peers = [(label, shlex.split(command)) for label, command in peer_commands]
-    if args.interleave:
-        pairs = [server for pair in zip(variants, peers, strict=False) for server in pair]
-        servers += pairs + variants[len(peers):] + peers[len(variants):]
+    groups = [[server] for server in servers]
+    if args.interleave and variants:  # peer j is dealt to variant j mod len(variants)
+        dealt = [[variant, *peers[i::len(variants)]] for i, variant in enumerate(variants)]
+        groups += dealt if args.paired else [[server] for group in dealt for server in group]
     else:
-        servers += variants + peers
-    for label, command in servers:
-        port = free_port()
-        print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
-        started = time.monotonic()
-        try:
-            proc = start_server(command, port, logs / f"{label}.log")
-            load_rss = peak_rss_bytes(proc.pid)  # the peak up to serving: the load's
-        except RuntimeError as exc:  # one server that dies at start costs the run its column, not the others
-            print(f"{label} did not start; measuring the others (log: {logs / label}.log)", file=sys.stderr)
-            systems.append({"label": label, "failed_to_start": str(exc)[-2000:]})
-            continue
-        try:
-            extra = args.peer_extra_body if any(label == peer for peer, _ in peer_commands) else None
-            figures = _measure(f"http://127.0.0.1:{port}", label, args, tokenizer, extra, weight_bytes)
-            figures["start_seconds"] = round(time.monotonic() - started - figures.pop("measure_seconds"), 1)
-            figures["load_rss_bytes"] = load_rss
-            figures["peak_rss_bytes"] = peak_rss_bytes(proc.pid)
-        finally:
-            stop_server(proc)
-        systems.append(figures)
+        groups += [[server] for server in variants + peers]
+    for group in groups:
+        systems += _run_group(group, args, tokenizer, logs, weight_bytes, {label for label, _ in peer_commands})
     for peer in args.peer:
         label, url = _labelled(peer)
-        systems.append({**_measure(url, label, args, tokenizer, args.peer_extra_body, weight_bytes),
-                        "peak_rss_bytes": None})
+        bench = _bench(url, label, args.peer_extra_body, tokenizer)
+        systems += [{**figure, "peak_rss_bytes": None} for figure in _measure([bench], args, tokenizer, weight_bytes)]
     print(format_table(systems, args))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         record = {"model": args.model, "machine": machine_record(), "systems": systems,
-                  "commands": {label: command for label, command in servers}}
+                  "commands": {label: command for group in groups for label, command in group}}
         args.result_json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.result_json}", file=sys.stderr)
     return 0

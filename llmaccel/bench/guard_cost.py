@@ -44,8 +44,8 @@ def _bench(url: str, model: str, label: str, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from llmaccel.bench.compare import free_port, start_server, stop_server
     from llmaccel.bench.paired import markdown_table, paired_summary, rotated
+    from llmaccel.bench.servers import free_port, start_server, stop_server
     from llmaccel.platform import describe
 
     if args.rounds < 2 or args.concurrency < 1 or args.num_prompts < 1:

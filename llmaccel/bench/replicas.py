@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: str | None = None,
             kv_memory: str | None = None):
-    from llmaccel.bench.compare import free_port, start_server
+    from llmaccel.bench.servers import free_port, start_server
 
     # --no-input-filter, --semantic-guard off: each turn sends the model's own replies back as history, and a
     # reply that happens to match a rule (a 135M model's text once matched 'jailbreak.persona') or the guard
@@ -76,9 +76,9 @@ def _total_kv(args: argparse.Namespace) -> str:
 
 
 def throughput(args: argparse.Namespace, workdir: Path) -> dict:
-    from llmaccel.bench.compare import stop_server
     from llmaccel.bench.datasets import builtin_requests
     from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
+    from llmaccel.bench.servers import stop_server
 
     runs: dict[str, list[dict]] = {"1 process": [], f"{args.replicas} replicas": []}
     for round_index in range(args.rounds):
@@ -179,7 +179,7 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
 
 
 def multiturn(args: argparse.Namespace, workdir: Path) -> dict:
-    from llmaccel.bench.compare import stop_server
+    from llmaccel.bench.servers import stop_server
 
     rows = {}
     shared = shared_prefix_tokens(args)

@@ -187,7 +187,7 @@ async def _settle(url: str, headers: dict | None, timeout_s: float) -> tuple[boo
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmaccel.bench.compare import free_port, start_server, stop_server
+    from llmaccel.bench.servers import free_port, start_server, stop_server
     from llmaccel.platform import describe
 
     config = SoakConfig(args.requests, args.concurrency, args.disconnect_share, args.timeout_share,

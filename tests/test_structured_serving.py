@@ -201,6 +201,6 @@ def _llm() -> LLM:
 
 
 def _chat_messages(history):
-    from llmaccel.server import protocol as p
+    from llmaccel.server.chat_messages import chat_message
 
-    return [p.chat_message(m) for m in history]
+    return [chat_message(m) for m in history]

@@ -9,6 +9,7 @@ import pytest
 
 from llmaccel.errors import InvalidRequestError
 from llmaccel.server import protocol as p
+from llmaccel.server.chat_messages import AssistantTurn, FunctionCall, ToolCall, ToolMessage, UserMessage, chat_message
 from llmaccel.server.tools import ToolCallStream, assistant_message, chat_turns, tool_plan
 from llmaccel.structured.tool_parsers import HermesToolParser, ParsedCall, tool_parser
 
@@ -105,10 +106,10 @@ def test_a_named_call_streams_its_arguments_after_one_header():
 
 
 def test_tools_are_written_in_the_hermes_format_where_the_template_has_none():
-    history = [p.UserMessage(role="user", content="Weather in Paris?"),
-               p.AssistantTurn(role="assistant", content=None, tool_calls=[p.ToolCall(
-                   id="call_1", function=p.FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))]),
-               p.ToolMessage(role="tool", content='{"sky": "sunny"}', tool_call_id="call_1")]
+    history = [UserMessage(role="user", content="Weather in Paris?"),
+               AssistantTurn(role="assistant", content=None, tool_calls=[ToolCall(
+                   id="call_1", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))]),
+               ToolMessage(role="tool", content='{"sky": "sunny"}', tool_call_id="call_1")]
     turns = chat_turns(history, tool_plan(request(tools=[WEATHER])), native=False)
     assert turns[0]["role"] == "system" and '<tools>\n{"type": "function", "function": {"name": "get_weather"' \
         in turns[0]["content"]
@@ -123,7 +124,7 @@ def test_tools_are_written_in_the_hermes_format_where_the_template_has_none():
 def test_tool_fields_on_another_role_are_unknown_fields_not_calls():
     """The API fuzz sent a user turn with "tool_calls": ["x"]: an unknown field there (ignored, logged), never a
     call to write into the prompt (it was a 500)."""
-    history = [p.chat_message({"role": "user", "content": "Hi", "tool_calls": ["x"], "tool_call_id": 7})]
+    history = [chat_message({"role": "user", "content": "Hi", "tool_calls": ["x"], "tool_call_id": 7})]
     for native in (False, True):
         assert chat_turns(history, None, native=native) == [{"role": "user", "content": "Hi"}]
 

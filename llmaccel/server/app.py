@@ -41,6 +41,14 @@ from llmaccel.server.errors import APIError, validation_error_message
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
+from llmaccel.server.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+)
 from llmaccel.server.serving import OpenAIServing
 from llmaccel.server.state import ServerState
 from llmaccel.server.stats import DashboardStats, engine_summary
@@ -190,17 +198,17 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
     meta_errors = openapi.errors(*auth_errors) if config.protect_metrics else {}
 
     @api.get("/models", responses=openapi.errors(*auth_errors))
-    async def list_models() -> p.ModelList:
+    async def list_models() -> ModelList:
         limit = state.engine.engine.max_model_len if state.engine is not None else 0
-        return p.ModelList(data=[p.ModelCard(id=name, created=state.created, max_model_len=limit)
-                                 for name in state.model_names])
+        return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=limit)
+                               for name in state.model_names])
 
-    @api.post("/chat/completions", response_model=p.ChatCompletionResponse,
+    @api.post("/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await answer(serving(), body, model_for(body.model), request, state)
 
-    @api.post("/completions", response_model=p.CompletionResponse,
+    @api.post("/completions", response_model=CompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         return await answer(serving(), body, model_for(body.model), request, state)
@@ -219,8 +227,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
         model_for(body.model)
         return tokenizing.detokenize(serving(), body)
 
-    @app.get("/health", response_model=p.HealthStatus,
-             responses={503: {"model": p.HealthStatus, "description": "Starting, failed to load, draining or dead."}})
+    @app.get("/health", response_model=HealthStatus,
+             responses={503: {"model": HealthStatus, "description": "Starting, failed to load, draining or dead."}})
     async def health() -> Response:
         if state.engines_alive and not state.draining:
             return JSONResponse({"status": "ok"})
@@ -229,10 +237,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/version", dependencies=open_unless_protected, responses=meta_errors)
-    async def version() -> p.VersionInfo:
+    async def version() -> VersionInfo:
         import torch
 
-        return p.VersionInfo(version=llmaccel.__version__, torch=torch.__version__)
+        return VersionInfo(version=llmaccel.__version__, torch=torch.__version__)
 
     @app.get("/metrics", dependencies=open_unless_protected, response_class=Response,
              responses={200: {"content": openapi.TEXT, "description": "Prometheus text format."}, **meta_errors})

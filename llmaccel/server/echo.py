@@ -10,7 +10,7 @@ the first, else {token id: {logprob, rank, decoded_token}} for the token and the
 from __future__ import annotations
 
 from llmaccel.outputs import Logprob
-from llmaccel.server import protocol as p
+from llmaccel.server.response_models import CompletionLogprobs
 
 
 def prompt_text(shapes, job, i: int) -> str:
@@ -19,7 +19,7 @@ def prompt_text(shapes, job, i: int) -> str:
     return prompt if isinstance(prompt, str) else shapes.tokenizer.decode(prompt)
 
 
-def echo_logprobs(shapes, job, i: int, entries: list[Logprob | None] | None) -> p.CompletionLogprobs:
+def echo_logprobs(shapes, job, i: int, entries: list[Logprob | None] | None) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its tokens, the first one's logprob null."""
     prompt = job.prompt_ids[i]
     known = entries if entries is not None else []
@@ -27,15 +27,15 @@ def echo_logprobs(shapes, job, i: int, entries: list[Logprob | None] | None) -> 
                                       for position, token in enumerate(prompt)])
 
 
-def joined(head: p.CompletionLogprobs, tail: p.CompletionLogprobs | None) -> p.CompletionLogprobs:
+def joined(head: CompletionLogprobs, tail: CompletionLogprobs | None) -> CompletionLogprobs:
     """`tail` after `head`, its text offsets moved past head's text."""
     if tail is None:
         return head
     start = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
-    return p.CompletionLogprobs(tokens=head.tokens + tail.tokens,
-                                token_logprobs=head.token_logprobs + tail.token_logprobs,
-                                top_logprobs=head.top_logprobs + tail.top_logprobs,
-                                text_offset=head.text_offset + [start + o for o in tail.text_offset])
+    return CompletionLogprobs(tokens=head.tokens + tail.tokens,
+                              token_logprobs=head.token_logprobs + tail.token_logprobs,
+                              top_logprobs=head.top_logprobs + tail.top_logprobs,
+                              text_offset=head.text_offset + [start + o for o in tail.text_offset])
 
 
 def prompt_logprobs_field(shapes, entries: list[Logprob | None] | None) -> list[dict | None] | None:

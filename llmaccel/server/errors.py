@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from llmaccel.bounds import RANGES
-from llmaccel.server.protocol import ErrorInfo, ErrorResponse
+from llmaccel.server.response_models import ErrorInfo, ErrorResponse
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from llmaccel.server.protocol import ErrorResponse
+from llmaccel.server.response_models import ErrorResponse
 
 _WHEN = {
     400: "A field of the wrong type or out of range, malformed JSON, an unknown model, a prompt over the context "

@@ -1,4 +1,4 @@
-"""OpenAI API request and response models (pydantic).
+"""OpenAI API request models (pydantic): completions and chat completions.
 
 Requests are validated strictly ("5" is not an integer, 3 is not a temperature, NaN is not a
 number) so that a bad field gets a 400 that names it. Every number's range comes from the one table
@@ -7,24 +7,23 @@ as vLLM does, because client libraries send fields of newer API versions. Fields
 llmaccel cannot honour (suffix, best_of other than n, ...) are rejected rather than silently ignored.
 Structured outputs come as OpenAI's `response_format` or as vLLM's `structured_outputs` and older
 `guided_*` fields; each is checked here into one StructuredOutputsParams, so its error names its field.
+A chat request's messages and tools are in chat_messages.py, the response models in response_models.py.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from llmaccel.bounds import RANGES, SEED_MEANING
 from llmaccel.sampling_params import LOGIT_BIAS_LIMIT
+from llmaccel.server.chat_messages import _STRICT, ChatMessage, ChatTool, NamedToolChoice
 from llmaccel.structured.params import StructuredOutputsParams
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
-
-_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 R = RANGES
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -200,110 +199,6 @@ def _defaults(model: type[BaseModel]) -> dict[str, Any]:
     return {name: f.default for name, f in model.model_fields.items() if f.default is not None and name != "max_tokens"}
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _STRICT
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class ChatTool(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class FunctionCall(BaseModel):
-    model_config = _STRICT
-    name: str
-    arguments: str  # JSON text, as the API sends it
-
-
-class ToolCall(BaseModel):
-    model_config = _STRICT
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-_CONTENT_REQUIRED = ("content is required and must not be null (except in an assistant message with tool_calls): "
-                     "give a string or a list of {'type': 'text', 'text': ...} parts")
-Content = str | list[dict[str, Any]]
-
-
-class Message(BaseModel):
-    """A turn of the conversation; the role picks the kind (below), and only an assistant turn that called
-    tools may go without content."""
-
-    model_config = _STRICT
-    role: str
-    content: Content | None = None
-    name: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _content_given(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("content") is None and not (
-                data.get("role") == "assistant" and data.get("tool_calls")):
-            raise ValueError(_CONTENT_REQUIRED)
-        return data
-
-    def text(self) -> str:
-        """The message as plain text; only text content parts are understood."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part of type {part.get('type')!r} is not supported; "
-                                 "this model reads only {'type': 'text', 'text': ...} parts")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class SystemMessage(Message):
-    role: Literal["system", "developer"]
-    content: Content
-
-
-class UserMessage(Message):
-    role: Literal["user"]
-    content: Content
-
-
-class AssistantTurn(Message):
-    role: Literal["assistant"]
-    tool_calls: list[ToolCall] | None = None  # the calls it made
-
-
-class ToolMessage(Message):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: str | None = None  # the call it answers
-
-
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantTurn | ToolMessage, Field(discriminator="role")]
-_MESSAGE = TypeAdapter(ChatMessage)
-
-
-def chat_message(data: dict[str, Any]) -> Message:
-    """One message from its JSON form (the role picks its kind)."""
-    return _MESSAGE.validate_python(data)
-
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -380,141 +275,3 @@ class CompletionRequest(_Request):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-
-# ---- responses -------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-
-
-class CompletionTokensDetails(BaseModel):
-    """With speculative decoding: drafted tokens the model kept and rejected (OpenAI's predicted-output
-    fields, which mean the same)."""
-
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)  # an echoed prompt's first token: null
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    # vLLM's: per prompt token, null for the first, else token id -> {logprob, rank, decoded_token}
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-
-class _Response(BaseModel):
-    id: str
-    object: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    # vLLM's, with prompt_logprobs: the rendered conversation's tokens, as on a completion's choice
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None  # None in stream chunks
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "llmaccel"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class HealthStatus(BaseModel):
-    status: Literal["ok", "starting", "failed", "draining", "dead"]
-
-
-class VersionInfo(BaseModel):
-    version: str
-    torch: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -11,8 +11,8 @@ from __future__ import annotations
 from llmaccel.engine.detokenizer import token_bytes_function
 from llmaccel.outputs import CompletionOutput, Logprob, RequestOutput
 from llmaccel.server import echo
-from llmaccel.server import protocol as p
 from llmaccel.server.job import Job
+from llmaccel.server.response_models import ChatLogprobs, CompletionChoice, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 class Shapes:
@@ -21,7 +21,7 @@ class Shapes:
         self.token_bytes = token_bytes_function(tokenizer)
 
     def completion_choice(self, job: Job, i: int, index: int, c: CompletionOutput,
-                          output: RequestOutput) -> p.CompletionChoice:
+                          output: RequestOutput) -> CompletionChoice:
         text, logprobs = c.text, self.completion_logprobs(c.logprobs or [], job)
         if job.request.echo:
             text = echo.prompt_text(self, job, i) + text
@@ -29,8 +29,8 @@ class Shapes:
                 logprobs = echo.joined(echo.echo_logprobs(self, job, i, output.prompt_logprobs), logprobs)
         prompt_logprobs = echo.prompt_logprobs_field(self, output.prompt_logprobs) \
             if job.request.prompt_logprobs is not None else None
-        return p.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs)
+        return CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
 
     def chunk(self, job: Job, choices: list[dict]) -> dict:
         return {"id": job.response_id, "object": "chat.completion.chunk" if job.is_chat else "text_completion",
@@ -54,7 +54,7 @@ class Shapes:
         return {"index": index, "text": echo.prompt_text(self, job, i),
                 "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": None}
 
-    def chat_logprobs(self, logprobs: list[Logprob], job: Job) -> p.ChatLogprobs | None:
+    def chat_logprobs(self, logprobs: list[Logprob], job: Job) -> ChatLogprobs | None:
         if job.request.num_logprobs is None:
             return None
 
@@ -62,23 +62,23 @@ class Shapes:
             raw = self.token_bytes(token_id)
             return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-        return p.ChatLogprobs(content=[
-            p.TokenLogprob(**entry(lp.token_id, lp.logprob),
-                           top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
+        return ChatLogprobs(content=[
+            TokenLogprob(**entry(lp.token_id, lp.logprob),
+                         top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
             for lp in logprobs])
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def completion_logprobs(self, logprobs: list[Logprob], job: Job) -> p.CompletionLogprobs | None:
+    def completion_logprobs(self, logprobs: list[Logprob], job: Job) -> CompletionLogprobs | None:
         if job.request.num_logprobs is None:
             return None
         return self.completion_entries([(lp.token_id, lp) for lp in logprobs])
 
-    def completion_entries(self, entries: list[tuple[int, Logprob | None]]) -> p.CompletionLogprobs:
+    def completion_entries(self, entries: list[tuple[int, Logprob | None]]) -> CompletionLogprobs:
         """Legacy completions' logprobs of these tokens; a token without a Logprob (an echoed prompt's
         first) gets nulls."""
-        out = p.CompletionLogprobs()
+        out = CompletionLogprobs()
         offset = 0
         for token, lp in entries:
             text = self.token_text(token)

@@ -13,8 +13,8 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from llmaccel.bounds import check_token_ids
+from llmaccel.server.chat_messages import _STRICT, ChatMessage
 from llmaccel.server.errors import APIError
-from llmaccel.server.protocol import _STRICT, ChatMessage
 
 
 class TokenizeRequest(BaseModel):

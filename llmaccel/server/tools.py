@@ -22,6 +22,16 @@ from typing import Any
 
 from llmaccel.errors import InvalidRequestError
 from llmaccel.server import protocol as p
+from llmaccel.server.chat_messages import (
+    AssistantTurn,
+    ChatTool,
+    FunctionCall,
+    Message,
+    NamedToolChoice,
+    ToolCall,
+    ToolMessage,
+)
+from llmaccel.server.response_models import AssistantMessage
 from llmaccel.structured.params import StructuredOutputsParams
 from llmaccel.structured.tool_parsers import HermesToolParser, ParsedCall
 
@@ -31,7 +41,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 @dataclass(frozen=True)
 class ToolPlan:
     mode: str  # "auto", "named" or "required" ("none" has no plan)
-    tools: tuple[p.ChatTool, ...]
+    tools: tuple[ChatTool, ...]
     named: str | None = None
     constraint: StructuredOutputsParams | None = None
 
@@ -53,7 +63,7 @@ def tool_plan(request: p.ChatCompletionRequest) -> ToolPlan | None:
     if choice is not None and choice != "auto" and request.output_constraint is not None:
         raise InvalidRequestError("a forced tool call (tool_choice required or a named function) cannot be combined "
                                   "with response_format or structured_outputs", param="tool_choice")
-    if isinstance(choice, p.NamedToolChoice):
+    if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
             raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among the tools "
@@ -75,7 +85,7 @@ def template_reads_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def chat_turns(messages: list[p.Message], plan: ToolPlan | None, native: bool) -> list[dict[str, Any]]:
+def chat_turns(messages: list[Message], plan: ToolPlan | None, native: bool) -> list[dict[str, Any]]:
     """The conversation as chat-template turns. `native`: the template renders tools and tool turns
     itself; otherwise they are written in the Hermes format."""
     turns = []
@@ -83,8 +93,8 @@ def chat_turns(messages: list[p.Message], plan: ToolPlan | None, native: bool) -
         role = "system" if m.role == "developer" else m.role
         turn: dict[str, Any] = {"role": role, "content": m.text()}
         # only an assistant turn's calls and a tool turn's answer: on another role they are unknown fields
-        calls = m.tool_calls if isinstance(m, p.AssistantTurn) else None
-        answers = m.tool_call_id if isinstance(m, p.ToolMessage) else None
+        calls = m.tool_calls if isinstance(m, AssistantTurn) else None
+        answers = m.tool_call_id if isinstance(m, ToolMessage) else None
         if native:
             if calls:
                 turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -115,7 +125,7 @@ def hermes_tools_prompt(specs: list[dict[str, Any]]) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
-def _hermes_call(call: p.ToolCall) -> str:
+def _hermes_call(call: ToolCall) -> str:
     body = json.dumps({"name": call.function.name, "arguments": _arguments(call.function.arguments)},
                       ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
@@ -149,14 +159,14 @@ def calls_of(plan: ToolPlan, text: str, parser: HermesToolParser) -> tuple[str |
 
 
 def assistant_message(plan: ToolPlan | None, parser: HermesToolParser, text: str, finish_reason: str | None
-                      ) -> tuple[p.AssistantMessage, str | None]:
+                      ) -> tuple[AssistantMessage, str | None]:
     """A finished chat choice's message, with its tool calls when it made any (finish_reason tool_calls)."""
     if plan is None:
-        return p.AssistantMessage(content=text), finish_reason
+        return AssistantMessage(content=text), finish_reason
     content, calls = calls_of(plan, text, parser)
-    tool_calls = [p.ToolCall(id=new_call_id(), function=p.FunctionCall(name=c.name, arguments=c.arguments))
+    tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                   for c in calls]
-    return p.AssistantMessage(content=content, tool_calls=tool_calls), called(finish_reason, bool(calls))
+    return AssistantMessage(content=content, tool_calls=tool_calls), called(finish_reason, bool(calls))
 
 
 def called(finish_reason: str | None, made_calls: bool) -> str | None:

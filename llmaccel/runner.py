@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into batch tensors, runs the model, samples.
 
 It owns the KV pool (one K and one V tensor per layer, `[num_blocks * block_size, kv_heads,
-head_dim]`) and each seeded request's generator. It knows requests only as token spans.
+head_dim]`) and each seeded request's generator. It knows requests only as token spans: how spans are
+laid out as a batch is batch_layout.py; what a step returns, and how its rows are sampled, step_result.py.
 """
 
 from __future__ import annotations
@@ -10,47 +11,18 @@ import math
 import mmap
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
-from llmaccel.engine.guard_stage import GuardStage, Judgement, TappedPiece, Verdict
+from llmaccel.batch_layout import Span, attention_metadata, in_row_order, kv_slots, skipped_positions
+from llmaccel.engine.guard_stage import GuardStage, TappedPiece, Verdict
 from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layer_taps import LayerTaps
-from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
-from llmaccel.outputs import Logprob
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
-from llmaccel.spec.verify import accepted_greedy, accepted_sampled
+from llmaccel.step_result import Sampled, StepResult, prompt_token_logprobs, sample_tokens, span_features, verify_drafts
 from llmaccel.structured.compiler import GrammarCompiler
-
-PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are taken at once: a long prompt's [rows, vocab] stays small
-
-Sampled = tuple[int, Logprob | None, float | None]  # token, its logprobs (if asked), top probability (if asked)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    sampled: dict[str, list[Sampled]]  # request id -> the tokens it took this step, in order
-    failed: dict[str, BaseException]  # request id -> why it could not sample
-    # with `features`: request id -> (first position, the final hidden states of the rows it ran)
-    features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    # requests with prompt_logprobs: request id -> (first prompt position, the logprobs of its tokens there on)
-    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
-    # with a semantic guard: request id -> its judgement, for each request whose prompt ended this step
-    judged: dict[str, Judgement] = field(default_factory=dict)
-
-
-@dataclass
-class Span:
-    """Tokens of one sequence to run at positions start.. (its blocks allocated). `as_rows`: each token is
-    a decode query of its own (the decode kernels; successive rows see each other), else one causal chunk."""
-
-    request: Request
-    start: int
-    token_ids: list[int]
-    as_rows: bool = False
 
 
 class ModelRunner:
@@ -110,13 +82,13 @@ class ModelRunner:
                 spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
         by_request = {item.request.request_id: item for item in output.scheduled}
         masks = self._start_masks(output, drafts)
-        spans = _in_row_order(spans)
+        spans = in_row_order(spans)
         pieces = self._guard_pieces(spans) if self.guard is not None else []
         taps = self.guard.taps(pieces) if pieces else None
         hidden, spans = self.forward_spans(spans, taps=taps)
         judged = self.guard.observe(pieces, taps) if taps is not None else {}
-        kept_features = self._features(hidden, spans) if features else {}
-        prompt_logprobs = self._prompt_logprobs(hidden, spans)
+        kept_features = span_features(hidden, spans) if features else {}
+        prompt_logprobs = prompt_token_logprobs(self.model, self.sampler, hidden, spans)
         # rows to sample, of the spans that reach their request's last token: every row of a rows span
         # (a draft's verdict needs the target's token there), the last row of a chunk
         sample_rows: list[int] = []
@@ -161,7 +133,7 @@ class ModelRunner:
             owners.append((span, len(keep) - len(built)))
         if len(keep) < len(sample_rows):
             logits = logits[torch.tensor(keep, dtype=torch.long, device=device)]
-        row_results, row_failures = self._sample(logits, rows, confidence)
+        row_results, row_failures = sample_tokens(self.sampler, logits, rows, confidence)
         sampled: dict[str, list[Sampled]] = {}
         for span, first in owners:
             request = span.request
@@ -176,8 +148,8 @@ class ModelRunner:
                 sampled[request.request_id] = results
                 continue
             try:
-                sampled[request.request_id] = self._verify(span, logits[first:first + count], rows[first:first + count],
-                                                           results)
+                sampled[request.request_id] = verify_drafts(self.sampler, span, logits[first:first + count],
+                                                            rows[first:first + count], results)
             except Exception as exc:
                 failed[request.request_id] = exc
         return StepResult(sampled, failed, kept_features, prompt_logprobs, judged)
@@ -209,54 +181,6 @@ class ModelRunner:
             self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return places, self._mask_worker.submit(self.grammars.fill, requests, num_rows)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, list[Logprob]]]:
-        """For the requests that asked: the logprob of each prompt token these spans' rows predict (the row
-        at position p predicts the token at p + 1), with the top N and its rank there."""
-        out, offset = {}, 0
-        for span in spans:
-            request, count = span.request, len(span.token_ids)
-            top_n = request.params.prompt_logprobs
-            end = min(span.start + count, request.num_prompt_tokens - 1)  # rows that predict a prompt token
-            if top_n is not None and span.start < end:
-                items = []
-                for lo in range(0, end - span.start, PROMPT_LOGPROB_ROWS):
-                    rows = hidden[offset + lo:offset + min(lo + PROMPT_LOGPROB_ROWS, end - span.start)]
-                    logits = self.model.compute_logits(rows)[:, :self.sampler.vocab_size].float()
-                    for j, row in enumerate(torch.log_softmax(logits, dim=-1)):
-                        token = request.all_token_ids[span.start + lo + j + 1]
-                        items.append(self.sampler.logprob_of(row, token, top_n, rank=True))
-                out[request.request_id] = (span.start + 1, items)
-            offset += count
-        return out
-
-    @staticmethod
-    def _features(hidden: torch.Tensor, spans: list[Span]) -> dict[str, tuple[int, torch.Tensor]]:
-        """Each span's rows of `hidden`, views of one copy (the decode stack reuses its output buffer)."""
-        out, offset, hidden = {}, 0, hidden.clone()
-        for span in spans:
-            count = len(span.token_ids)
-            out[span.request.request_id] = (span.start, hidden[offset:offset + count])
-            offset += count
-        return out
-
-    def _verify(self, span: Span, logits: torch.Tensor, rows: list[SamplingRow], results: list[Sampled]
-                ) -> list[Sampled]:
-        """The tokens a decode span keeps of its drafts, and one more (spec/verify.py), with their
-        logprobs and confidence from the row each was chosen at."""
-        proposal = span.token_ids[1:]
-        targets = [token for token, _, _ in results]
-        if rows[0].params.greedy:
-            return results[:len(accepted_greedy(targets, proposal))]
-        probs = self.sampler.distribution(logits, rows)
-        tokens = accepted_sampled(probs, proposal, targets[-1], rows[0].generator)
-        kept = []
-        for j, token in enumerate(tokens):
-            sampled_token, logprob, top = results[j]
-            if token != sampled_token and logprob is not None:  # the row drew another token: its own logprobs
-                logprob = self.sampler.logprob(logits[j], token, rows[j].params.logprobs or 0)
-            kept.append((token, logprob, top))
-        return kept
-
     @torch.inference_mode()
     def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None, taps: LayerTaps | None = None
                       ) -> tuple[torch.Tensor | None, list[Span]]:
@@ -265,44 +189,23 @@ class ModelRunner:
         (every token a decode query of its own), then chunks (causal within, over their cached context).
         `features`: a draft head's second input, a row per token in that order (spec/draft_head.py).
         `taps`: read the residual stream after chosen layers (model/layer_taps.py), at rows in that order."""
-        ordered = _in_row_order(spans)
+        ordered = in_row_order(spans)
         input_ids, positions, slots = [], [], []
         for span in ordered:
             count = len(span.token_ids)
             input_ids.extend(span.token_ids)
             positions.extend(range(span.start, span.start + count))  # absolute: RoPE sees the true position
-            table_start = span.start - self._skipped(span.request)  # where it lands in the (windowed) block table
-            slots.extend(self._slots(span.request.block_ids, table_start, table_start + count))
-        meta = self._metadata(ordered, slots)
+            # where it lands in the (windowed) block table
+            table_start = span.start - skipped_positions(span.request, self.block_size)
+            slots.extend(kv_slots(span.request.block_ids, table_start, table_start + count, self.block_size))
         device = self.device
+        meta = attention_metadata(ordered, slots, self.block_size, device)
         extra = {} if features is None else {"features": features}
         if taps is not None:
             extra["taps"] = taps
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta,
                             self.kv_caches, **extra)
         return hidden, ordered
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], confidence: bool
-                ) -> tuple[dict[int, Sampled], dict[int, BaseException]]:
-        """One batched call, results by row; if it raises, each row alone from the same generator states,
-        so the rows that do not raise get exactly the tokens the batch would have given them."""
-        if not rows:
-            return {}, {}
-        states = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
-        try:
-            tokens, logprobs, top = self.sampler.sample(logits, rows, confidence)
-            return {i: (tokens[i], logprobs[i], top[i] if top else None) for i in range(len(rows))}, {}
-        except Exception:
-            for generator, state in states:
-                generator.set_state(state)
-        sampled, failed = {}, {}
-        for i, row in enumerate(rows):
-            try:
-                tokens, logprobs, top = self.sampler.sample(logits[i:i + 1], [row], confidence)
-                sampled[i] = (tokens[0], logprobs[0], top[0] if top else None)
-            except Exception as exc:
-                failed[i] = exc
-        return sampled, failed
 
     @torch.inference_mode()
     def chunk_hidden(self, request: Request, count: int) -> torch.Tensor:
@@ -340,9 +243,9 @@ class ModelRunner:
             request = span.request
             count = min(len(span.token_ids), request.num_prompt_tokens - span.start) \
                 if self.guard.wants(request, span.start) else 0
-            table_start = span.start - self._skipped(request)
+            table_start = span.start - skipped_positions(request, bs)
             if count:
-                blocks = [slot // bs for slot in self._slots(request.block_ids, table_start, table_start + count)]
+                blocks = [slot // bs for slot in kv_slots(request.block_ids, table_start, table_start + count, bs)]
                 pieces.append(TappedPiece(request, span.start, count, blocks, offset))
             # a block begun by rows not tapped (a decode's) holds no sum: a later prefix-cache hit must not read one
             untapped += [request.block_ids[(table_start + k) // bs] for k in range(count, len(span.token_ids))
@@ -350,53 +253,6 @@ class ModelRunner:
             offset += len(span.token_ids)
         self.guard.forget_blocks(untapped)
         return pieces
-
-    def _skipped(self, request: Request) -> int:
-        """Positions a KV window freed from the middle of the request's block table."""
-        return request.num_skipped_blocks * self.block_size
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        """KV-pool slots of positions start..end-1 of a sequence whose block table is `block_ids`."""
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _metadata(self, spans: list[Span], slots: list[int]) -> AttentionMetadata:
-        """Rows spans (first in `spans`) become decode queries, one per token, each seeing its sequence up
-        to itself; chunks become prefill spans."""
-        device = self.device
-        tables = lens = None
-        max_len = 0
-        row_spans = [s for s in spans if s.as_rows]
-        kv_first = any(len(s.token_ids) > 1 for s in row_spans)
-        if row_spans:
-            width = max(len(s.request.block_ids) for s in row_spans)
-            table_rows, context = [], []
-            for span in row_spans:
-                table = span.request.block_ids + [0] * (width - len(span.request.block_ids))
-                end = span.start - self._skipped(span.request)
-                for j in range(len(span.token_ids)):
-                    table_rows.append(table)
-                    context.append(end + j + 1)
-            tables = torch.tensor(table_rows, dtype=torch.int32, device=device)
-            lens = torch.tensor(context, dtype=torch.int32, device=device)
-            max_len = max(context)
-        prefills = []
-        offset = len(lens) if lens is not None else 0
-        for span in spans:
-            if span.as_rows:
-                continue
-            start = span.start - self._skipped(span.request)
-            count = len(span.token_ids)
-            context_len = start + count
-            context_slots = None
-            if start > 0:
-                context_slots = torch.tensor(self._slots(span.request.block_ids, 0, context_len), device=device)
-            prefills.append(PrefillSpan(offset, count, context_len, context_slots))
-            offset += count
-        return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                                 num_decode_tokens=len(lens) if lens is not None else 0, decode_block_tables=tables,
-                                 decode_context_lens=lens, prefills=prefills, block_size=self.block_size,
-                                 decode_max_len=max_len, decode_kv_first=kv_first)
 
     def sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
         """The request's sampling row; with `drafts`, for the token after its output and those drafts."""
@@ -410,8 +266,3 @@ class ModelRunner:
                 self._generators[request.request_id] = generator
         output = request.output_token_ids + drafts if drafts else request.output_token_ids
         return sampling_row(params, request.prompt_token_ids, output, request.eos_token_ids, generator)
-
-
-def _in_row_order(spans: list[Span]) -> list[Span]:
-    """Rows spans first (every token a decode query of its own), then chunks: the batch's row order."""
-    return [s for s in spans if s.as_rows] + [s for s in spans if not s.as_rows]

@@ -26,10 +26,11 @@ from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.platform import describe, peak_rss_bytes
 from llmaccel.quantization.prequantized import load_prequantized
-from llmaccel.runner import ModelRunner, Sampled
+from llmaccel.runner import ModelRunner
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.spec.build import build_speculation
 from llmaccel.spec.policy import SpeculationStats
+from llmaccel.step_result import Sampled
 from llmaccel.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)

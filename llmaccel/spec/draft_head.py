@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmaccel.batch_layout import Span
 from llmaccel.engine.scheduler import ScheduledRequest
 from llmaccel.model.causal_lm import CausalLM, WeightLoader
 from llmaccel.model.layers import Linear, RMSNorm
 from llmaccel.model.llama import decoder_layer
 from llmaccel.ops.attention import AttentionMetadata
-from llmaccel.runner import ModelRunner, Span
+from llmaccel.runner import ModelRunner
 from llmaccel.spec.draft_vocab import DraftVocabulary
 from llmaccel.spec.drafters import MAX_ROWS_SPAN, last_row_drafts
 from llmaccel.spec.head_dir import read_head_section

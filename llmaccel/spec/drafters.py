@@ -17,8 +17,9 @@ from typing import Protocol
 
 import torch
 
+from llmaccel.batch_layout import Span
 from llmaccel.engine.scheduler import ScheduledRequest
-from llmaccel.runner import ModelRunner, Span
+from llmaccel.runner import ModelRunner
 from llmaccel.spec.draft_vocab import DraftVocabulary
 from llmaccel.spec.ngram import propose_ngram
 

@@ -22,8 +22,8 @@ from llmaccel.cluster import routing
 from llmaccel.cluster.kv_index import STATS_INTERVAL_S, prompt_block_hashes
 from llmaccel.cluster.replica import GenerateCall
 from llmaccel.cluster.wire import OutputDecoder
-from llmaccel.engine.engine import check_request
 from llmaccel.engine.kv_cache_manager import PrefixCacheStats
+from llmaccel.engine.request_checks import check_request
 from llmaccel.engine.request_stream import RequestStream
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 from llmaccel.sampling_params import SamplingParams

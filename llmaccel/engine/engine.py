@@ -1,4 +1,8 @@
-"""LLMEngine: add_request / abort_request / step. One step = schedule, execute, update."""
+"""LLMEngine: add_request / abort_request / step. One step = schedule, execute, update.
+
+What it works out and loads at start is engine/loading.py; the checks a request passes before it is
+queued, engine/request_checks.py; what a step's results do to their requests, engine/step_update.py.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +13,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmaccel.bounds import check_token_ids
 from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.guard_stage import Judgement, Verdict, build_guard_stage
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from llmaccel.engine.loading import kv_layout, load_model
 from llmaccel.engine.request import Request, RequestStatus
+from llmaccel.engine.request_checks import check_prompt, check_request
 from llmaccel.engine.request_group import RequestGroup, Sample
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
-from llmaccel.errors import InvalidRequestError, PromptTooLongError
+from llmaccel.engine.step_update import advance_grammar, fail_group, take_token
+from llmaccel.errors import InvalidRequestError
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.loader import load_checkpoint, resolve_model_path
-from llmaccel.model.registry import model_class
+from llmaccel.model.loader import load_checkpoint
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.platform import describe, peak_rss_bytes
-from llmaccel.quantization.prequantized import load_prequantized
 from llmaccel.runner import ModelRunner
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.spec.build import build_speculation
 from llmaccel.spec.policy import SpeculationStats
-from llmaccel.step_result import Sampled
 from llmaccel.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -42,43 +45,6 @@ class StepStats:
 
     num_seqs: int
     num_tokens: int
-
-
-def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    if not token_ids:
-        raise InvalidRequestError("the prompt is empty: give at least one token")
-    if len(token_ids) >= max_model_len:
-        raise PromptTooLongError(
-            f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
-            f"(prompt plus at least one generated token must fit); shorten the prompt")
-    check_token_ids(token_ids, vocab_size, "prompt", param="prompt")
-
-
-def check_request(token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                  grammars: GrammarCompiler) -> None:
-    """What the engine refuses before queueing: a bad prompt, token ids outside the vocabulary, a
-    grammar that does not compile. Also run by a replicated server's ingress, before any replica."""
-    check_prompt(token_ids, max_model_len, vocab_size)
-    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids", param="stop_token_ids")
-    for token, _ in params.logit_bias:
-        if token >= vocab_size:
-            raise InvalidRequestError(f"logit_bias: token id {token} is outside the vocabulary "
-                                      f"[0, {vocab_size})", param="logit_bias")
-    if params.structured_outputs is not None:
-        grammars.check(params.structured_outputs)
-
-
-def gguf_tensors(model: str, weights, device: torch.device):
-    """(the file's quantized matrices, its embedding lookups) for --quantization gguf: a GGUF file's own tensors
-    as they are (model/gguf/weights.py); a clear error for any other model."""
-    packed = getattr(weights, "packed", None)
-    if packed is None:
-        path = resolve_model_path(model)
-        if path.suffix.lower() == ".gguf":
-            raise ValueError(f"--quantization gguf runs the quantized tensors of llama-architecture GGUF files; "
-                             f"{path.name} is read through a converted copy: use int8 or int4")
-        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
-    return packed(cpu_kernels=device.type == "cpu"), weights.table
 
 
 class LLMEngine:
@@ -93,45 +59,14 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.hf_dir = checkpoint.hf_dir
 
-        block_size = config.cache.block_size
-        bytes_per_token = self.spec.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
-        num_blocks = config.cache.num_kv_blocks or config.cache.kv_cache_memory // (bytes_per_token * block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "
-                             f"tokens ({bytes_per_token * block_size} B); raise --kv-cache-memory")
-        window, sinks = config.cache.kv_window, config.cache.kv_sinks
-        if window is not None and self.spec.sliding_window:
-            raise ValueError(f"{config.model.model} attends within its own sliding window of "
-                             f"{self.spec.sliding_window} tokens ({len(self.spec.sliding_layers)} of "
-                             f"{self.spec.num_layers} layers); --kv-window is for models with full attention")
-        if window is None and self.spec.kv_window:  # every layer slides: free the blocks the window has passed
-            window, sinks = self.spec.kv_window, 0
-        # a windowed sequence holds a bounded number of blocks, so only the positions limit its length
-        per_sequence = cdiv(sinks, block_size) + 2 * cdiv(window, block_size) + 1 if window else None
-        if config.cache.kv_window is not None and per_sequence > num_blocks:
-            raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
-                             f"window and one window-long chunk), but the pool has {num_blocks}; raise "
-                             "--kv-cache-memory or lower --kv-window")
-        bounded = per_sequence is not None and per_sequence <= num_blocks
-        limits = [self.spec.max_position_embeddings] + ([] if bounded else [num_blocks * block_size])
-        if config.scheduler.max_model_len is not None:
-            limits.append(config.scheduler.max_model_len)
-        self.max_model_len = min(limits)
+        layout = kv_layout(config, self.spec, self.dtype)
+        num_blocks, block_size, bytes_per_token = layout.num_blocks, layout.block_size, layout.bytes_per_token
+        window, sinks = layout.window, layout.sinks
+        self.max_model_len = layout.max_model_len
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_token * block_size
-        quantization, ready, tables = config.model.quantization, None, None
-        saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
-        if saved is not None:
-            if quantization not in (None, saved[0]):
-                raise ValueError(f"{config.model.model} is already quantized to {saved[0]}; drop --quantization "
-                                 f"{quantization}")
-            quantization, ready = None, saved[1]
-        elif quantization == "gguf":
-            quantization, ready, tables = None, *gguf_tensors(config.model.model, checkpoint.weights, self.device)
-        model = model_class(self.spec.architecture)(
-            self.spec, checkpoint.weights, self.dtype, self.device, max_positions=self.max_model_len,
-            use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
-            prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables)
+        model, quantized_checkpoint = load_model(config, checkpoint, self.dtype, self.device, self.max_model_len,
+                                                 use_kernel)
         del checkpoint
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
@@ -149,7 +84,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.scheduler.draft_slots = self.speculation.draft_slots
         self._reference: SequenceScorer | None = None
-        self._quantized_checkpoint = saved is not None
+        self._quantized_checkpoint = quantized_checkpoint
         self.runner.guard = self.guard = build_guard_stage(self, num_blocks)  # the semantic input guard, or None
         machine = describe()
         logger.info("machine: %s, %s cores, features %s%s; dtype %s%s; weight-streaming kernels: %s",
@@ -325,7 +260,7 @@ class LLMEngine:
                          len(scheduled.scheduled), ", ".join(i.request.request_id for i in scheduled.scheduled),
                          exc_info=exc)
             for group in groups.values():
-                self._fail_group(group, exc)
+                fail_group(self.scheduler, group, exc)
             return [self._finish_group(group, time.time()) for group in groups.values()]
         failed = dict(results.failed)
         before = {item.request.request_id: item.request.num_output_tokens for item in scheduled.scheduled}
@@ -346,11 +281,11 @@ class LLMEngine:
                 group.metrics.spec_accepted_tokens += accepted
             try:
                 for i, sampled in enumerate(taken):
-                    if self._take_token(group, request, sampled, before[rid] + i, now):
+                    if take_token(self.scheduler, group, request, sampled, before[rid] + i, now):
                         request.truncate_output(before[rid] + i + 1)  # a stop string ended it: drop the rest
                         break
                 if request.grammar is not None:
-                    self._advance_grammar(request, before[rid])
+                    advance_grammar(self.scheduler, request, before[rid])
             except Exception as exc:
                 failed[request.request_id] = exc
             changed[group.request_id] = group
@@ -366,7 +301,7 @@ class LLMEngine:
                 continue
             logger.error("request %s failed in engine step %d; ending it with an error", request_id, self.num_steps,
                          exc_info=exc)
-            self._fail_group(group, exc)
+            fail_group(self.scheduler, group, exc)
             changed[group.request_id] = group
         outputs = []
         for group in changed.values():
@@ -375,31 +310,6 @@ class LLMEngine:
             elif emit_unfinished:
                 outputs.append(group.output(self.record_confidence))
         return outputs
-
-    def _take_token(self, group: RequestGroup, request: Request, sampled: Sampled, index: int, now: float) -> bool:
-        """Record a sample's new token, its output token number `index`: logprobs, confidence, timing, text
-        and stop strings. True when the token completed a stop string (the request is finished then)."""
-        sample = group.sample_of(request)
-        _, logprob, top = sampled
-        if sample.logprobs is not None and logprob is not None:
-            sample.logprobs.append(logprob)
-        if top is not None:
-            request.confidence_sum += top
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        if sample.detokenize(index):
-            if request.is_finished:  # it hit max_tokens on the very token that completed the stop string
-                request.status = RequestStatus.FINISHED_STOPPED
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            return True
-        return False
-
-    def _advance_grammar(self, request: Request, first: int) -> None:
-        """Move the request's grammar over the tokens it kept from output token `first` on; a finished
-        output (nothing but EOS allowed next) ends the request now, without a step for the EOS."""
-        request.grammar.accept(request.output_token_ids[first:])
-        if request.grammar.is_finished and not request.is_finished:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _judged(self, request_id: str, judgement: Judgement, changed: dict[str, RequestGroup]) -> None:
         """A prompt the semantic guard judged: a blocked one ends (every sample, no token), a flagged one is logged."""
@@ -418,13 +328,6 @@ class LLMEngine:
         for sample in group.samples:
             self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_FILTERED)
         changed[group.request_id] = group
-
-    def _fail_group(self, group: RequestGroup, exc: BaseException) -> None:
-        """End every sample of a user request with finish reason "error" and free its blocks."""
-        group.error = f"{type(exc).__name__}: {exc}"
-        for sample in group.samples:
-            if not sample.request.is_finished:
-                self.scheduler.finish_request(sample.request, RequestStatus.FINISHED_ERROR)
 
     def _finish_group(self, group: RequestGroup, now: float) -> RequestOutput:
         group.metrics.finished_time = now

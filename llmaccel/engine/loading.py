@@ -1,0 +1,96 @@
+"""What LLMEngine works out and loads at start: the KV pool's size and the context window it allows,
+and the model with its weights as the checkpoint and --quantization ask.
+
+A KV window (--kv-window, or a model whose every layer slides) bounds the blocks a sequence holds, so then
+only the model's positions limit its length. The weights are a checkpoint saved quantized, taken as it is;
+a GGUF file's own quantized tensors (--quantization gguf); or float weights, quantized at load if asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmaccel.config import EngineConfig
+from llmaccel.engine.kv_cache_manager import cdiv
+from llmaccel.model.causal_lm import CausalLM
+from llmaccel.model.loader import LoadedCheckpoint, resolve_model_path
+from llmaccel.model.registry import model_class
+from llmaccel.model.spec import ModelSpec
+from llmaccel.quantization.prequantized import load_prequantized
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV pool and the context it allows. `window`, `sinks`: the KV window's (window None: none)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    window: int | None
+    sinks: int
+    max_model_len: int
+
+
+def kv_layout(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> KVLayout:
+    """The pool's blocks and the longest sequence it serves. Raises ValueError when the pool holds no block
+    or the KV window cannot work (the model slides on its own, or the pool is smaller than a window needs)."""
+    block_size = config.cache.block_size
+    bytes_per_token = spec.kv_bytes_per_token * torch.finfo(dtype).bits // 8
+    num_blocks = config.cache.num_kv_blocks or config.cache.kv_cache_memory // (bytes_per_token * block_size)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "
+                         f"tokens ({bytes_per_token * block_size} B); raise --kv-cache-memory")
+    window, sinks = config.cache.kv_window, config.cache.kv_sinks
+    if window is not None and spec.sliding_window:
+        raise ValueError(f"{config.model.model} attends within its own sliding window of "
+                         f"{spec.sliding_window} tokens ({len(spec.sliding_layers)} of "
+                         f"{spec.num_layers} layers); --kv-window is for models with full attention")
+    if window is None and spec.kv_window:  # every layer slides: free the blocks the window has passed
+        window, sinks = spec.kv_window, 0
+    # a windowed sequence holds a bounded number of blocks, so only the positions limit its length
+    per_sequence = cdiv(sinks, block_size) + 2 * cdiv(window, block_size) + 1 if window else None
+    if config.cache.kv_window is not None and per_sequence > num_blocks:
+        raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
+                         f"window and one window-long chunk), but the pool has {num_blocks}; raise "
+                         "--kv-cache-memory or lower --kv-window")
+    bounded = per_sequence is not None and per_sequence <= num_blocks
+    limits = [spec.max_position_embeddings] + ([] if bounded else [num_blocks * block_size])
+    if config.scheduler.max_model_len is not None:
+        limits.append(config.scheduler.max_model_len)
+    return KVLayout(num_blocks, block_size, bytes_per_token, window, sinks, min(limits))
+
+
+def load_model(config: EngineConfig, checkpoint: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
+               max_model_len: int, use_kernel: bool | None) -> tuple[CausalLM, bool]:
+    """The model, and whether its checkpoint was saved quantized (then it has no float weights to load).
+    Raises ValueError when --quantization asks for other than what the checkpoint holds."""
+    quantization, ready, tables = config.model.quantization, None, None
+    saved = load_prequantized(checkpoint.hf_dir, checkpoint.weights)
+    if saved is not None:
+        if quantization not in (None, saved[0]):
+            raise ValueError(f"{config.model.model} is already quantized to {saved[0]}; drop --quantization "
+                             f"{quantization}")
+        quantization, ready = None, saved[1]
+    elif quantization == "gguf":
+        quantization, ready, tables = None, *gguf_tensors(config.model.model, checkpoint.weights, device)
+    spec = checkpoint.spec
+    model = model_class(spec.architecture)(
+        spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
+        use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
+        prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables)
+    return model, saved is not None
+
+
+def gguf_tensors(model: str, weights, device: torch.device):
+    """(the file's quantized matrices, its embedding lookups) for --quantization gguf: a GGUF file's own tensors
+    as they are (model/gguf/weights.py); a clear error for any other model."""
+    packed = getattr(weights, "packed", None)
+    if packed is None:
+        path = resolve_model_path(model)
+        if path.suffix.lower() == ".gguf":
+            raise ValueError(f"--quantization gguf runs the quantized tensors of llama-architecture GGUF files; "
+                             f"{path.name} is read through a converted copy: use int8 or int4")
+        raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
+    return packed(cpu_kernels=device.type == "cpu"), weights.table

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from llmaccel.config import EngineConfig
-from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
+from llmaccel.engine.async_engine import AsyncEngine
 from llmaccel.engine.engine import LLMEngine
+from llmaccel.engine.engine_thread import BackgroundTask
 from llmaccel.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import hf_greedy

@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import llmaccel
 from llmaccel.cache.result_cache import ResultCache
 from llmaccel.config import ServerConfig
-from llmaccel.engine.async_engine import AsyncEngine, BackgroundTask
+from llmaccel.engine.async_engine import AsyncEngine
 from llmaccel.engine.engine import LLMEngine
+from llmaccel.engine.engine_thread import BackgroundTask
 from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.output_guard import GuardConfig, OutputGuard
 from llmaccel.safety.rate_limit import RateLimiter

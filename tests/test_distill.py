@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from llmaccel import LLM
+from llmaccel.distill.distill_config import DistillConfig
+from llmaccel.distill.distiller import Distiller
 from llmaccel.distill.student import (
     attention_pattern_scores,
     choose_copying_layers,
@@ -22,7 +24,7 @@ from llmaccel.distill.student import (
     make_student,
     spaced_layers,
 )
-from llmaccel.distill.train import DistillConfig, Distiller, distill
+from llmaccel.distill.train import distill
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_models import CORPUS, _common, hf_greedy
 

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from llmaccel.config import DEFAULT_MODEL
 from llmaccel.distill.corpus import CORPUS_NAMES, check_corpus_names, heldout_windows, token_corpora, training_batch
+from llmaccel.distill.distill_config import check_resumable, check_run_settings, learning_rate, training_dtype
 from llmaccel.distill.head_model import TrainableHead, head_spec, save_head
-from llmaccel.distill.train import _training_dtype, check_resumable, check_run_settings, learning_rate
 from llmaccel.spec.draft_vocab import frequent_tokens, write_token_counts
 
 DEFAULT_CORPORA = ("self-chat", "chat-greedy")
@@ -95,7 +95,7 @@ class HeadTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.target = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.target.requires_grad_(False)
-        self.dtype = _training_dtype(config)
+        self.dtype = training_dtype(config)
         if config.restart and self.state_dir.exists():
             shutil.rmtree(self.state_dir / "checkpoint", ignore_errors=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from llmaccel.safety.output_guard import GuardReport
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.server import echo
 from llmaccel.server import protocol as p
+from llmaccel.server import response_models as r
 from llmaccel.server.answer_checks import CONTENT_FILTER, AnswerChecks
 from llmaccel.server.cascade import CascadeRouter, CascadeStream, cascade_route
 from llmaccel.server.chat_messages import Message
@@ -41,16 +42,6 @@ from llmaccel.server.errors import clip
 from llmaccel.server.job import AnyRequest, Job, Stream, merged, outcome
 from llmaccel.server.metrics import NullTracker, ServerMetrics
 from llmaccel.server.prompt_checks import PromptChecks
-from llmaccel.server.response_models import (
-    ChatChoice,
-    ChatCompletionResponse,
-    CompletionResponse,
-    CompletionTokensDetails,
-    ErrorInfo,
-    ErrorResponse,
-    PromptTokensDetails,
-    Usage,
-)
 from llmaccel.server.result_streams import ReplayStream, SharedFlight
 from llmaccel.server.shapes import Shapes
 from llmaccel.server.tools import (
@@ -225,18 +216,18 @@ class OpenAIServing:
                 index = i * n + c.index
                 if job.is_chat:
                     message, finish_reason = assistant_message(job.tools, self.tool_parser, c.text, c.finish_reason)
-                    choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
-                                              logprobs=self.shapes.chat_logprobs(c.logprobs or [], job)))
+                    choices.append(r.ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                                                logprobs=self.shapes.chat_logprobs(c.logprobs or [], job)))
                 else:
                     choices.append(self.shapes.completion_choice(job, i, index, c, last[i]))
         usage = _usage(job, served, last.values())
         if job.is_chat:
             prompt_logprobs = echo.prompt_logprobs_field(self.shapes, last[0].prompt_logprobs) \
                 if job.request.prompt_logprobs is not None else None
-            return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
-                                          usage=usage, prompt_logprobs=prompt_logprobs)
-        return CompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
-                                  usage=usage)
+            return r.ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                                            usage=usage, prompt_logprobs=prompt_logprobs)
+        return r.CompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
+                                    usage=usage)
 
     async def _finish(self, job: Job, i: int, output: CompletionOutput) -> CompletionOutput:
         if self.answer_checks is None:
@@ -314,12 +305,12 @@ class OpenAIServing:
                     if len(ended) == n * len(job.streams):
                         break  # every choice ended (the output filter may stop one before the engine does)
         except (RequestTimeoutError, EngineDeadError, RequestFailedError) as exc:
-            yield _sse(ErrorResponse(error=error_info(exc)))
+            yield _sse(r.ErrorResponse(error=error_info(exc)))
             yield "data: [DONE]\n\n"
             return
         except Exception:  # a bug after the status line went out: the details to the log, the id to the client
             logger.exception("internal error while streaming %s", job.response_id)
-            yield _sse(ErrorResponse(error=ErrorInfo(
+            yield _sse(r.ErrorResponse(error=r.ErrorInfo(
                 message=f"internal error while streaming {job.response_id}; the server log has the details",
                 type="internal_error", code="internal_error")))
             yield "data: [DONE]\n\n"
@@ -355,13 +346,13 @@ def _prompt_logprobs(request: AnyRequest) -> int | None:
     return asked
 
 
-def error_info(exc: BaseException) -> ErrorInfo:
+def error_info(exc: BaseException) -> r.ErrorInfo:
     if isinstance(exc, RequestTimeoutError):
-        return ErrorInfo(message=str(exc), type="timeout_error", code="request_timeout")
+        return r.ErrorInfo(message=str(exc), type="timeout_error", code="request_timeout")
     if isinstance(exc, RequestFailedError):  # the reason stays in the log, under the same request id
-        return ErrorInfo(message=f"{exc}; the server log has the details under this id", type="internal_error",
-                         code="internal_error")
-    return ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
+        return r.ErrorInfo(message=f"{exc}; the server log has the details under this id", type="internal_error",
+                           code="internal_error")
+    return r.ErrorInfo(message=str(exc), type="service_unavailable", code="engine_unavailable")
 
 
 def quoted(names: list[str], limit: int = 10, length: int = 40) -> str:
@@ -380,17 +371,17 @@ def _record(job: Job, i: int, report: GuardReport | None) -> GuardReport | None:
     return report
 
 
-def _usage(job: Job, served: list[CompletionOutput], outputs) -> Usage:
+def _usage(job: Job, served: list[CompletionOutput], outputs) -> r.Usage:
     completion = sum(len(c.token_ids) for c in served)
     prompt = sum(job.prompt_lengths)
     outputs = list(outputs)
-    cached = PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
+    cached = r.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outputs))
     drafted = sum(out.metrics.spec_draft_tokens for out in outputs)
     accepted = sum(out.metrics.spec_accepted_tokens for out in outputs)
-    details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
-                                      rejected_prediction_tokens=drafted - accepted) if drafted else None
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=cached, completion_tokens_details=details)
+    details = r.CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                        rejected_prediction_tokens=drafted - accepted) if drafted else None
+    return r.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=cached, completion_tokens_details=details)
 
 
 # Characters that str.splitlines (and so httpx's iter_lines and many SSE clients) takes for line

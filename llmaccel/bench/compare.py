@@ -27,6 +27,7 @@ from pathlib import Path
 
 from llmaccel.bench import datasets
 from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
+from llmaccel.bench.provenance import provenance
 from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
 from llmaccel.bench.servers import available_memory_bytes, free_port, peak_rss_bytes, start_server, stop_server
 from llmaccel.platform import machine_record
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(systems, args))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        record = {"model": args.model, "machine": machine_record(), "systems": systems,
+        record = {"model": args.model, **provenance(), "machine": machine_record(), "systems": systems,
                   "commands": {label: command for group in groups for label, command in group}}
         args.result_json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.result_json}", file=sys.stderr)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,6 +217,9 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
         (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
          lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
         ("output tokens/s, 1 request", lambda s: s["single"]["output_throughput"], "higher"),
+        ("output tokens/s, 1 request, median repeat", lambda s: _median_rate(s), "higher"),
+        ("1 request side by side: the first of its group over this (median of each round's ratio)",
+         lambda s: leads.get(s["label"]), None),
         ("1 request: share of the bandwidth ceiling (%, median repeat)",
          lambda s: 100 * s["single"]["ceiling_share"]["median"] if s["single"].get("ceiling_share") else None,
          "higher"),
@@ -234,6 +238,7 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     ]
     failed = [s["label"] for s in systems if "failed_to_start" in s]
     systems = [s for s in systems if "failed_to_start" not in s]
+    leads = paired_leads(systems)
     ours = next((s for s in systems if s["label"] == "llmaccel"), None)
     base = systems[0] if systems and systems[0] is not ours else None
     head = "| | " + " | ".join(s["label"] for s in systems) + (" | improvement |" if base and ours else " |")
@@ -248,6 +253,27 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     if failed:
         lines.append(f"\ndid not start (see the result JSON): {', '.join(failed)}")
     return "\n".join(lines)
+
+
+def _median_rate(system: dict) -> float | None:
+    rates = [rate for rate in system["single"].get("request_output_throughput") or [] if rate]
+    return statistics.median(rates) if rates else None
+
+
+def paired_leads(systems: list[dict]) -> dict[str, float]:
+    """For each server measured side by side (--paired): its group's first server's lone-request rate over
+    its own, round by round (the two requests of a round were minutes apart at most), the median over the
+    rounds; e.g. llmaccel-Q8_0 against llama.cpp-Q8_0 = 1.25 means llmaccel is 1.25x as fast."""
+    leads: dict[str, float] = {}
+    for system in systems:
+        group = {system["label"], *system.get("paired_with", [])}
+        first = next(s for s in systems if s["label"] in group)
+        mine = system["single"].get("request_output_throughput") or []
+        theirs = first["single"].get("request_output_throughput") or []
+        ratios = [a / b for a, b in zip(theirs, mine, strict=False) if a and b]
+        if first is not system and ratios:
+            leads[system["label"]] = statistics.median(ratios)
+    return leads
 
 
 def _fmt(value: float | int | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from llmaccel.bench.ceiling import ceiling_share
+from llmaccel.bench.compare import paired_leads
 from llmaccel.bench.servers import _process_tree, peak_rss_bytes
 from llmaccel.bench.sweep import plot_results
 from llmaccel.cli import main
@@ -152,6 +154,9 @@ def test_paired_servers_run_side_by_side_and_take_turns_at_the_lone_request(llam
     for s in (ours, theirs):
         assert s["single"]["total_output_tokens"] == 12 and s["concurrent"]["total_output_tokens"] == 8
         assert s["start_seconds"] > 0 and s["load_rss_bytes"] <= s["peak_rss_bytes"]
+    rates = [s["single"]["request_output_throughput"] for s in (ours, theirs)]
+    assert paired_leads([ours, theirs]) == {"theirs": statistics.median(a / b for a, b in zip(*rates, strict=True))}
+    assert "| 1 request side by side: the first of its group over this" in capsys.readouterr().out
 
 
 def test_a_pair_that_would_not_fit_in_memory_runs_one_after_the_other(llama_dir, tmp_path, capsys):

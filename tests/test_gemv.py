@@ -73,7 +73,8 @@ def test_int8_is_the_q8_activation_product(rows, grouped):
     n, k = 70, 192
     x = torch.randn(rows, k, generator=gen)
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)  # the whole range, -128 too
-    scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
+    # per-32 scales are float16 in the blocks (GGUF Q8_0's d): given as float16 values, they are exact
+    scale = torch.rand(n, k // BLOCK, generator=gen).half().float() if grouped else torch.rand(n, generator=gen)
     xq = q8_rounded(x)  # the activations as the kernel sees them
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     want = xq.double() @ (q.double() * full.double()).t()
@@ -85,18 +86,19 @@ def test_int8_is_the_q8_activation_product(rows, grouped):
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_int8_block_layout_and_rows(grouped):
-    """Byte 4 r + j of chunk t: row r's input 4 t + j plus 128; per-32 scales after the weights; the
+    """Byte 4 r + j of chunk t: row r's input 4 t + j plus 128; per-32 scales after the weights (float16); the
     embedding lookup reads rows back from the blocks exactly."""
     gen = torch.Generator().manual_seed(7)
     n, k = 21, 64
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
-    scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
+    # per-32 scales are float16 in the blocks (GGUF Q8_0's d): given as float16 values, they are exact
+    scale = torch.rand(n, k // BLOCK, generator=gen).half().float() if grouped else torch.rand(n, generator=gen)
     blocks, row_scale = pack_int8_blocks(q, scale)
-    assert blocks.shape == (2, 2, 576 if grouped else 512) and (row_scale is None) == grouped
+    assert blocks.shape == (2, 2, 544 if grouped else 512) and (row_scale is None) == grouped
     for g, b, t, r, j in ((0, 0, 0, 0, 0), (0, 1, 7, 15, 3), (1, 0, 2, 4, 1)):
         assert int(blocks[g, b, 64 * t + 4 * r + j]) == int(q[16 * g + r, 32 * b + 4 * t + j]) + 128
     if grouped:
-        assert blocks[1, 1, 512:].view(torch.float32)[:5].tolist() == scale[16:, 1].tolist()
+        assert blocks[1, 1, 512:].view(torch.float16)[:5].tolist() == scale[16:, 1].tolist()
     else:
         assert row_scale[:n].tolist() == scale.tolist() and not row_scale[n:].any()
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
@@ -110,7 +112,7 @@ def test_int8_is_batch_invariant():
     gen = torch.Generator().manual_seed(6)
     n, k = 100, 576
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    packed = pack_int8_blocks(q, torch.rand(n, k // BLOCK, generator=gen))
+    packed = pack_int8_blocks(q, torch.rand(n, k // BLOCK, generator=gen).half().float())
     x = torch.randn(70, k, generator=gen)
     batch = kernels.gemv_i8(x, *packed, n)
     for first, count in ((0, 1), (3, 1), (69, 1), (5, 3), (1, 64)):
@@ -185,7 +187,7 @@ def test_grouped_int8_layers_stream_and_read_rows(group_size):
     gen = torch.Generator().manual_seed(group_size)
     n, k = 40, 128
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    weight = Int8Weight(q, torch.rand(n, k // group_size, generator=gen) + 0.01, group_size)
+    weight = Int8Weight(q, (torch.rand(n, k // group_size, generator=gen) + 0.01).half().float(), group_size)
     layer = Int8Linear(weight, None, torch.device("cpu"))
     assert layer.streams
     x = torch.randn(3, k, generator=gen)

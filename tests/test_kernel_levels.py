@@ -82,7 +82,7 @@ def _battery(kernels) -> dict[str, torch.Tensor]:
     w = torch.randn(n, k, generator=gen)
     q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     q4 = torch.randint(0, 16, (n, k), generator=gen)
-    group_scale = torch.rand(n, k // BLOCK, generator=gen)
+    group_scale = torch.rand(n, k // BLOCK, generator=gen).half().float()  # as the blocks hold them
     offset = torch.randn(n, k // BLOCK, generator=gen).half()
     heads, kv_heads, dim, block, blocks = 4, 2, 64, 16, 6
     q = torch.randn(3, heads, dim, generator=gen)
@@ -180,7 +180,7 @@ def test_avx2_int8_product_over_the_whole_int8_range(avx2, rows, grouped):
     x = torch.randn(rows, k, generator=gen)
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     q[:, :8] = -128  # many weights -128, meeting activations of both signs
-    scale = torch.rand(n, k // BLOCK, generator=gen) if grouped else torch.rand(n, generator=gen)
+    scale = torch.rand(n, k // BLOCK, generator=gen).half().float() if grouped else torch.rand(n, generator=gen)
     xq = q8_rounded(x)  # the activations as the kernel sees them
     full = scale.repeat_interleave(BLOCK, 1) if grouped else scale[:, None]
     want = xq.double() @ (q.double() * full.double()).t()

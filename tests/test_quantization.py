@@ -67,13 +67,24 @@ def test_grouped_int8_linear_matches_its_dequantized_reference(use_kernel):
         pytest.skip("no int8 weight-only kernel in this torch build")
     g = torch.Generator().manual_seed(4)
     q = torch.randint(-127, 128, (80, 128), dtype=torch.int8, generator=g)
-    weight = Int8Weight(q, torch.rand(80, 4, generator=g) / 100 + 1e-3, 32)
+    weight = Int8Weight(q, (torch.rand(80, 4, generator=g) / 100 + 1e-3).half().float(), 32)  # Q8_0's d: float16
     x = torch.randn(5, 128, generator=g)
     layer = Int8Linear(weight, None, CPU, use_kernel=use_kernel)
     want = x @ weight.dequantize().t()
     tolerance = 1e-2 * want.abs().max() if use_kernel else 1e-4
     assert (layer(x) - want).abs().max() <= tolerance
-    assert layer.weight_bytes == 80 * 128 + 80 * 4 * 4
+    # streamed: the blocks hold the scales as float16, 2 bytes each (float32 before: 8.5 bits a weight, not 9)
+    assert layer.weight_bytes == 80 * 128 + 80 * 4 * (2 if layer.streams else 4)
+
+
+def test_grouped_int8_scales_that_float16_would_round_are_not_streamed():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=g)
+    weight = Int8Weight(q, torch.full((32, 2), 1e-5) + torch.rand(32, 2, generator=g) * 1e-6, 32)
+    layer = Int8Linear(weight, None, CPU)
+    assert not layer.streams  # float16 would lose these scales' low bits (1e-5 is subnormal there)
+    ids = torch.tensor([1, 31])
+    assert torch.equal(layer.rows(ids), weight.dequantize()[ids])
 
 
 @pytest.mark.parametrize("group", [None, 32])
@@ -81,10 +92,12 @@ def test_int8_rows_are_the_dequantized_rows(group):
     """The embedding lookup on an INT8 table reads exactly the dequantized rows."""
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (50, 64), dtype=torch.int8, generator=g)
-    scale = torch.rand(50, generator=g) if group is None else torch.rand(50, 2, generator=g)
+    scale = torch.rand(50, generator=g) if group is None else torch.rand(50, 2, generator=g).half().float()
     weight = Int8Weight(q, scale, group)
     ids = torch.tensor([3, 0, 49, 3])
-    assert torch.equal(Int8Linear(weight, None, CPU).rows(ids), weight.dequantize()[ids])
+    layer = Int8Linear(weight, None, CPU)
+    assert layer.streams == (gemv_kernels() is not None)
+    assert torch.equal(layer.rows(ids), weight.dequantize()[ids])
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

@@ -18,6 +18,8 @@
 # random. --openvino adds OpenVINO GenAI at the nearest weight format of each (BF16: fp16, Q8_0 and Q6_K: int8,
 # the 4- and 5-bit ones: int4 with groups of 128), exported by optimum-intel from the shape's HF checkpoint
 # and served by tools/openvino_server.py (its ContinuousBatchingPipeline behind the OpenAI streaming API).
+# Its peak memory is ~2.3-2.7x its file (fp16 is widened at its first request): compare is told so, and runs it
+# after the others where it would not fit beside them.
 # --vllm adds vLLM-CPU on the shape's HF checkpoint (bf16 on disk, served in llmaccel's dtype for the CPU).
 # Every server of a shape gets a KV cache of about 2 GB: llmaccel and vLLM 2 GiB, OpenVINO 2 GB, llama.cpp
 # its f16 cache for -c tokens (1.9 GB at 3B); at 3B in float32 llmaccel's default 1 GiB holds 4.7k tokens, too
@@ -177,7 +179,8 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
         openvino_export "$hf" "$ov" "$dir"
         shape_args+=(--peer-command "openvino-$ov=$OV_VENV/bin/python tools/openvino_server.py --model $dir
                        --threads $THREADS --max-num-seqs $slots --host 127.0.0.1"
-                     --weight-bytes "openvino-$ov=$(stat -c %s "$dir/openvino_model.bin")")
+                     --weight-bytes "openvino-$ov=$(stat -c %s "$dir/openvino_model.bin")"
+                     --memory-bytes "openvino-$ov=$(( $(stat -c %s "$dir/openvino_model.bin") * 27 / 10 ))")
       done
     fi
     if [[ $VLLM == 1 ]]; then

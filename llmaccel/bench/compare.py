@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,14 @@ from llmaccel.bench import datasets
 from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
 from llmaccel.bench.provenance import provenance
 from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
-from llmaccel.bench.servers import available_memory_bytes, free_port, peak_rss_bytes, start_server, stop_server
+from llmaccel.bench.servers import (
+    available_memory_bytes,
+    free_port,
+    peak_rss_bytes,
+    start_server,
+    stop_server,
+    total_memory_bytes,
+)
 from llmaccel.platform import machine_record
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -68,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "their lone requests take turns (A B, B A, ...), so the group's W1 ratios are measured "
                              "within minutes on this machine's bandwidth, not across its drift; a server that would "
                              "not fit in memory beside the others runs after them")
+    parser.add_argument("--memory-bytes", action="append", default=[], metavar="LABEL=BYTES",
+                        help="with --paired: the peak memory server LABEL needs (OpenVINO widens an fp16 file to "
+                             "twice its size at its first request), to decide whether it fits beside the others; "
+                             "default: about the group's first server again (repeatable)")
     parser.add_argument("--serve-args", default="", help="extra flags for `llmaccel serve`, e.g. '--max-num-seqs 64'")
     parser.add_argument("--result-json", type=Path, help="write every figure here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -80,14 +92,14 @@ def _labelled(value: str) -> tuple[str, str]:
     return label, rest
 
 
-def _weight_bytes(value: str) -> tuple[str, int]:
+def _weight_bytes(value: str, flag: str = "--weight-bytes") -> tuple[str, int]:
     label, number = _labelled(value)
     try:
         count = int(float(number))
     except ValueError:
         count = 0
     if count <= 0:
-        raise ValueError(f"--weight-bytes {value!r}: BYTES must be a positive number, e.g. {label}=1.35e8")
+        raise ValueError(f"{flag} {value!r}: BYTES must be a positive number, e.g. {label}=1.35e8")
     return label, count
 
 
@@ -117,22 +129,28 @@ def _measure(benches: list[argparse.Namespace], args: argparse.Namespace, tokeni
     return figures
 
 
-def _room_for(proc: subprocess.Popen, label: str, weight_bytes: dict[str, int]) -> bool:
-    """Whether a second server fits beside this one: about this one's resident size again (the pair serves
-    the same file), or the given weight bytes if larger, plus 30% and a 2 GiB KV cache."""
-    need = max(peak_rss_bytes(proc.pid) or 0, weight_bytes.get(label, 0)) * 1.3 + 2 * 2**30
-    available = available_memory_bytes()
-    return available is None or available > need
+def _room_for(started: list[tuple], label: str, weight_bytes: dict[str, int], memory_bytes: dict[str, int]) -> bool:
+    """Whether server `label` fits beside the ones started: the memory it needs (--memory-bytes, else about the
+    first one's resident size again, or its weight bytes if larger, plus 30% and a 2 GiB KV cache) against
+    what is left once the started servers' resident memory (a mapped file's pages included, which
+    MemAvailable counts as free) and 1 GiB for the rest are taken."""
+    first_rss = peak_rss_bytes(started[0][1].pid) or 0
+    need = memory_bytes.get(label) or max(first_rss, weight_bytes.get(label, 0)) * 1.3 + 2 * 2**30
+    total, available = total_memory_bytes(), available_memory_bytes()
+    if total is None or available is None:
+        return True
+    held = sum(peak_rss_bytes(proc.pid) or 0 for _, proc, *_ in started)
+    return min(available, total - held) - 2**30 > need
 
 
 def _run_group(group: list[tuple[str, list[str]]], args: argparse.Namespace, tokenizer, logs: Path,
-               weight_bytes: dict[str, int], peer_labels: set[str]) -> list[dict]:
+               weight_bytes: dict[str, int], memory_bytes: dict[str, int], peer_labels: set[str]) -> list[dict]:
     """Start the group's servers side by side (one where memory would not hold the next), measure, stop."""
     started: list[tuple[str, subprocess.Popen, str, float, int | None]] = []  # label, process, url, start s, load RSS
     systems: list[dict] = []
     try:
         for label, command in group:
-            if started and not _room_for(started[0][1], label, weight_bytes):
+            if started and not _room_for(started, label, weight_bytes, memory_bytes):
                 print(f"{label} does not fit beside {started[0][0]}: measured after it", file=sys.stderr)
                 systems += _finish(started, args, tokenizer, weight_bytes, peer_labels)
                 started = []
@@ -175,6 +193,7 @@ def _finish(started: list, args: argparse.Namespace, tokenizer, weight_bytes: di
 
 def run(args: argparse.Namespace) -> int:
     weight_bytes = dict(_weight_bytes(value) for value in args.weight_bytes)  # bad input fails before any work
+    memory_bytes = dict(_weight_bytes(value, '--memory-bytes') for value in args.memory_bytes)
     if args.paired and not args.interleave:
         raise ValueError("--paired takes its pairs from --interleave: give both")
     tokenizer = tokenizer_for(argparse.Namespace(tokenizer=args.model, model=args.model))
@@ -196,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         groups += [[server] for server in variants + peers]
     for group in groups:
-        systems += _run_group(group, args, tokenizer, logs, weight_bytes, {label for label, _ in peer_commands})
+        systems += _run_group(group, args, tokenizer, logs, weight_bytes, memory_bytes,
+                              {label for label, _ in peer_commands})
     for peer in args.peer:
         label, url = _labelled(peer)
         bench = _bench(url, label, args.peer_extra_body, tokenizer)
@@ -217,6 +237,9 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
         (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
          lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
         ("output tokens/s, 1 request", lambda s: s["single"]["output_throughput"], "higher"),
+        ("output tokens/s, 1 request, median repeat", lambda s: _median_rate(s), "higher"),
+        ("1 request side by side: the first of its group over this (median of each round's ratio)",
+         lambda s: leads.get(s["label"]), None),
         ("1 request: share of the bandwidth ceiling (%, median repeat)",
          lambda s: 100 * s["single"]["ceiling_share"]["median"] if s["single"].get("ceiling_share") else None,
          "higher"),
@@ -235,6 +258,7 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     ]
     failed = [s["label"] for s in systems if "failed_to_start" in s]
     systems = [s for s in systems if "failed_to_start" not in s]
+    leads = paired_leads(systems)
     ours = next((s for s in systems if s["label"] == "llmaccel"), None)
     base = systems[0] if systems and systems[0] is not ours else None
     head = "| | " + " | ".join(s["label"] for s in systems) + (" | improvement |" if base and ours else " |")
@@ -249,6 +273,27 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     if failed:
         lines.append(f"\ndid not start (see the result JSON): {', '.join(failed)}")
     return "\n".join(lines)
+
+
+def _median_rate(system: dict) -> float | None:
+    rates = [rate for rate in system["single"].get("request_output_throughput") or [] if rate]
+    return statistics.median(rates) if rates else None
+
+
+def paired_leads(systems: list[dict]) -> dict[str, float]:
+    """For each server measured side by side (--paired): its group's first server's lone-request rate over
+    its own, round by round (the two requests of a round were minutes apart at most), the median over the
+    rounds; e.g. llmaccel-Q8_0 against llama.cpp-Q8_0 = 1.25 means llmaccel is 1.25x as fast."""
+    leads: dict[str, float] = {}
+    for system in systems:
+        group = {system["label"], *system.get("paired_with", [])}
+        first = next(s for s in systems if s["label"] in group)
+        mine = system["single"].get("request_output_throughput") or []
+        theirs = first["single"].get("request_output_throughput") or []
+        ratios = [a / b for a, b in zip(theirs, mine, strict=False) if a and b]
+        if first is not system and ratios:
+            leads[system["label"]] = statistics.median(ratios)
+    return leads
 
 
 def _fmt(value: float | int | None) -> str:

@@ -40,10 +40,11 @@ GROUP_ROWS = 16  # weight rows a group of the INT8 and INT4 kernels' blocks
 
 def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """INT8 weights w = q * scale (q int8 [N, K]; scale float [N] a row, or [N, K / 32]) -> the kernel's
-    blocks, uint8 [ceil(N / 16), K / 32, 512 or 576] (csrc/gemv.cpp): per 16 rows and 32 inputs, 8 chunks
+    blocks, uint8 [ceil(N / 16), K / 32, 512 or 544] (csrc/gemv.cpp): per 16 rows and 32 inputs, 8 chunks
     of 64 bytes where byte 4 r + j of chunk t holds row r's input 4 t + j plus 128; then, for scales per
-    32 inputs, the 16 rows' float32 scales. Row scales come back apart, float32 [16 ceil(N / 16)] (else
-    None). Rows past N are zero weights with zero scales."""
+    32 inputs, the 16 rows' scales as float16 (GGUF Q8_0's own d: exact there; other scales are rounded).
+    Row scales come back apart, float32 [16 ceil(N / 16)] (else None). Rows past N are zero weights with
+    zero scales."""
     n, k = q.shape
     groups, nb = -(-n // GROUP_ROWS), k // BLOCK
     pad = groups * GROUP_ROWS - n
@@ -52,7 +53,7 @@ def pack_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad) if scale.dim() == 2 else (0, pad))
     if scale.dim() == 1:
         return weights.contiguous(), scale.contiguous()
-    per_block = scale.view(groups, GROUP_ROWS, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    per_block = scale.half().view(groups, GROUP_ROWS, nb).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat([weights, per_block], dim=2).contiguous(), None
 
 
@@ -91,7 +92,7 @@ def _self_check(kernels: ModuleType) -> str | None:
         if _relative_error(kernels.gemv_bf16(x, wb), x @ wb.float().t()) > 1e-5:
             return "gemv_bf16"
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen)):
+        for scale in (torch.rand(n, generator=gen), torch.rand(n, k // BLOCK, generator=gen).half().float()):
             full = scale[:, None] if scale.dim() == 1 else scale.repeat_interleave(BLOCK, dim=1)
             blocks, row_scale = pack_int8_blocks(q, scale)
             if _relative_error(kernels.gemv_i8(x, blocks, row_scale, n), x @ (q.float() * full).t()) > 2e-2:

@@ -136,9 +136,12 @@ class Int8Linear(_BlockKernels, nn.Module):
         scale = weight.scale.to(device)
         streams = device.type == "cpu" and use_kernel is not False and self.in_features % BLOCK == 0
         self._gemv = gemv_kernels() if streams else None
-        # llmaccel's kernel reads a scale per row or per 32 inputs (GGUF Q8_0's groups: the tied table
-        # of a Q4_1 file is one); torch's takes one per row, so other groups go a kernel call each
-        self.streams = self._gemv is not None and (self.group_size is None or self.group_size % BLOCK == 0)
+        # llmaccel's kernel reads a scale per row or per 32 inputs as float16 (GGUF Q8_0's groups and d: the
+        # tied table of a Q4_1 file is one); torch's takes one per row, so other groups, or group scales that
+        # float16 would round, go a kernel call each
+        grouped_ok = self.group_size is None or (self.group_size % BLOCK == 0
+                                                 and torch.equal(scale.half().float(), scale.float()))
+        self.streams = self._gemv is not None and grouped_ok
         if self.streams:  # llmaccel's blocks (ops/gemv.py), scales per row apart or per 32 inputs inside
             scale = scale.float()
             if self.group_size is not None:

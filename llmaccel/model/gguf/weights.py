@@ -153,7 +153,7 @@ class PackedTensors(Mapping[str, object]):
 
 # bytes per 16-row group of the kernels' blocks for one unit of inputs (32, or a 256-input super-block):
 # ops/csrc gemv.cpp's INT8 block (weights + 128, 16 float32 scales), gemv_int4.cpp's INT4 block, kquant.cpp's records
-_PACKED_UNIT_BYTES = {quants.Q8_0: 576, quants.Q4_0: 320, quants.Q4_1: 320, quants.Q4_K: 2368, quants.Q5_K: 2880,
+_PACKED_UNIT_BYTES = {quants.Q8_0: 544, quants.Q4_0: 320, quants.Q4_1: 320, quants.Q4_K: 2368, quants.Q5_K: 2880,
                       quants.Q6_K: 3360}
 
 

@@ -9,7 +9,8 @@
 //   to INT8 in blocks of 32, each with its own scale (llama.cpp's Q8 activations; the INT4 kernel reads
 //   the same), and the products are integer dot products. The weights live in blocks of 16 rows x 32
 //   inputs (ops/gemv.py `pack_int8_blocks`): 8 chunks of 64 bytes, byte 4 r + j of chunk t holding row
-//   r's input 4 t + j plus 128 (as unsigned), then, for per-32 scales, the 16 rows' float32 scales. One
+//   r's input 4 t + j plus 128 (as unsigned), then, for per-32 scales, the 16 rows' float16 scales (GGUF Q8_0's d as
+//   the file has it: 544 bytes a block, 8.5 bits a weight as in the file; float32 scales made it 9). One
 //   chunk is one AVX512-VNNI vpdpbusd (u8 x s8, 64 multiply-adds) against 4 broadcast activation bytes;
 //   the +128 comes off exactly as 128 x the block's activation sum. One weight row at a time (the layout
 //   before) took a horizontal sum a row and 32 multiply-adds an instruction: at 64 rows it ran at half
@@ -78,8 +79,9 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
     const uint8_t* block = group + b * stride;
     __m512i w[8];  // the weights + 128, unsigned: one u8 x s8 instruction a chunk, corrected below
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(block + 64 * t);
-    const __m512 scale = grouped ? _mm512_loadu_ps(reinterpret_cast<const float*>(block + kWeightBytes))
-                                 : _mm512_set1_ps(1.0f);
+    const __m512 scale =
+        grouped ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kWeightBytes)))
+                : _mm512_set1_ps(1.0f);
     for (int r = 0; r < MR; ++r) {
       if (r == rows) break;
       const int64_t i = i0 + r;
@@ -142,9 +144,9 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
         }
       }
       for (int h = 0; h < H; ++h) {
-        const __m256 scale = grouped
-                                 ? _mm256_loadu_ps(reinterpret_cast<const float*>(block + kWeightBytes) + 8 * (half0 + h))
-                                 : _mm256_set1_ps(1.0f);
+        const __m256 scale = grouped ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                           block + kWeightBytes + 16 * (half0 + h))))
+                                     : _mm256_set1_ps(1.0f);
         for (int r = 0; r < MR; ++r) {
           const __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(a.d[(i0 + r) * nb + b]));
           acc[r][h] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot[r][h]), acc[r][h]);
@@ -170,8 +172,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       int32_t dot = 0;
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < 4; ++j) dot += (int32_t(block[64 * t + 4 * row + j]) - 128) * xq[4 * t + j];
-      float scale = 1.0f;
-      if (grouped) std::memcpy(&scale, block + kWeightBytes + 4 * row, sizeof(scale));
+      const float scale = grouped ? half_bits_to_float(block + kWeightBytes + 2 * row) : 1.0f;
       (b & 1 ? odd : even)[row] += scale * a.d[i0 * nb + b] * static_cast<float>(dot);
     }
   }
@@ -184,7 +185,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
 
 LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_scale, float* y,
                                  int64_t ldy, int64_t m, int64_t k, int64_t n, int64_t g0, int64_t g1) {
-  const int64_t nb = k / kBlock, stride = kWeightBytes + (row_scale ? 0 : 4 * kGroupRows);
+  const int64_t nb = k / kBlock, stride = kWeightBytes + (row_scale ? 0 : 2 * kGroupRows);
   alignas(64) float sums[kPassRows * kGroupRows];
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = blocks + g * nb * stride;
@@ -208,7 +209,7 @@ LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, 
 }
 
 int64_t check_int8_blocks(const torch::Tensor& blocks, const c10::optional<torch::Tensor>& row_scale) {
-  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 4 * kGroupRows;
+  const int64_t want = row_scale ? kWeightBytes : kWeightBytes + 2 * kGroupRows;
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
                   blocks.size(2) == want,
               "blocks must be contiguous uint8 [ceil(N / 16), K / 32, ", want, "]");
@@ -256,7 +257,7 @@ torch::Tensor blocks_product(const torch::Tensor& x, const torch::Tensor& blocks
 
 using namespace llmaccel;
 
-// blocks uint8 [ceil(N / 16), K / 32, 512 or 576] (ops/gemv.py `pack_int8_blocks`); row_scale float32
+// blocks uint8 [ceil(N / 16), K / 32, 512 or 544] (ops/gemv.py `pack_int8_blocks`); row_scale float32
 // [16 ceil(N / 16)] for one scale a row, or None where each block holds its rows' scales (GGUF Q8_0).
 torch::Tensor gemv_i8(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale, int64_t n) {
   check_int8_blocks(blocks, row_scale);
@@ -291,8 +292,7 @@ torch::Tensor int8_rows(torch::Tensor blocks, c10::optional<torch::Tensor> row_s
     const float one = row_scale ? row_scale->data_ptr<float>()[id[t]] : 1.0f;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* block = wp + (g * nb + b) * stride;
-      float scale = one;
-      if (!row_scale) std::memcpy(&scale, block + kWeightBytes + 4 * r, sizeof(scale));
+      const float scale = row_scale ? one : half_bits_to_float(block + kWeightBytes + 2 * r);
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t j = 0; j < 4; ++j)
           op[t * k + b * kBlock + 4 * c + j] = static_cast<float>(int32_t(block[64 * c + 4 * r + j]) - 128) * scale;

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
@@ -67,7 +68,7 @@ struct QuantizedRows {
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
 
 // y[i, r] for rows i < m and output columns r in [n0, n1), y's rows `ldy` apart.
-// INT8 weights in gemv.cpp's blocks [ceil(N / 16), K / 32, 512 (+ 64 with their scales)]: the row groups
+// INT8 weights in gemv.cpp's blocks [ceil(N / 16), K / 32, 512 (+ 32 with their float16 scales)]: the row groups
 // g0 .. g1 - 1; row_scale [16 ceil(N / 16)] for one scale a row, or nullptr for the blocks' own.
 void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_scale, float* y, int64_t ldy,
                int64_t m, int64_t k, int64_t n, int64_t g0, int64_t g1);
@@ -76,7 +77,7 @@ void i8_groups(const QuantizedRows& a, const uint8_t* blocks, const float* row_s
 void i4_groups(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k,
                int64_t n, int64_t g0, int64_t g1);
 // Checks of the INT8 and INT4 blocks as the kernels read them (gemv.cpp), for every caller that hands
-// them blocks: an INT8 weight's blocks are 576 bytes with their scales, 512 with the scales apart in
+// them blocks: an INT8 weight's blocks are 544 bytes with their float16 scales, 512 with the scales apart in
 // row_scale (returned: the block stride); `n` output rows must fill the last of the groups of 16.
 int64_t check_int8_blocks(const at::Tensor& blocks, const c10::optional<at::Tensor>& row_scale);
 void check_int4_blocks(const at::Tensor& blocks);
@@ -102,6 +103,13 @@ void half_panels(const float* x, int64_t m, int64_t k, const uint16_t* panels, b
 // by pack_pairs as [K / 2, packed_rows(M)] pairs (x[i, 2p], x[i, 2p + 1]), the padding rows zero; then
 // y[i, c] for rows i < m and columns c in [n0, n1), rounded to bfloat16, from bf16 weights w [N, K].
 inline int64_t packed_rows(int64_t m) { return (m + 15) / 16 * 16; }
+
+// The float16 stored at p (GGUF's scales, unaligned), as float32.
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
 void pack_pairs(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k, std::vector<uint32_t>& out);
 void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, c10::BFloat16* y,
                        int64_t ldy, int64_t n0, int64_t n1);
@@ -135,7 +143,7 @@ void check_vnni(const at::Tensor& packed, int64_t n);
 struct QuantizedWeight {
   const uint8_t* blocks = nullptr;
   const float* row_scale = nullptr;  // INT8 with a scale per row; null: scales inside the blocks
-  int64_t block_stride = 0;          // INT8: 512 or 576 bytes
+  int64_t block_stride = 0;          // INT8: 512 or 544 bytes
   int64_t k = 0, n = 0;
   bool int4 = false;
 };

@@ -41,12 +41,6 @@ constexpr int64_t kNibbles = 256;                              // a 32-input blo
 int64_t block_bytes(int64_t kind) { return kind == kQ4K ? 256 : kind == kQ5K ? 320 : 384; }  // per 32 inputs
 int64_t record_bytes(int64_t kind) { return 8 * block_bytes(kind) + (kind == kQ6K ? 256 + 32 : 256 + 64); }
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
 // ---- the kernels ----------------------------------------------------------------------------------------
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -207,8 +201,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
       for (int64_t s = 0; s < supers; ++s) {
         const uint8_t* rec = group + s * record;
         const uint8_t* tail = rec + 8 * bb;
-        const float d = half_to_float(tail + 256 + 2 * row);
-        const float dmin = Kind != kQ6K ? half_to_float(tail + 288 + 2 * row) : 0.0f;
+        const float d = half_bits_to_float(tail + 256 + 2 * row);
+        const float dmin = Kind != kQ6K ? half_bits_to_float(tail + 288 + 2 * row) : 0.0f;
         for (int64_t sb = 0; sb < 8; ++sb) {
           const int64_t b = s * 8 + sb;
           const int8_t* xq = a.q.data() + i * k + b * kBlock;
@@ -348,14 +342,13 @@ void place_super(int64_t kind, const uint8_t* src, int64_t r, uint8_t* rec) {
   std::memcpy(tail + 288 + 2 * r, src + 2, 2);  // dmin
 }
 
-// Q8_0 / Q4_0 / Q4_1 block of row r (GGUF bytes `src`, 32 weights) into gemv.cpp's INT8 block (576 B: weights + 128,
-// then 16 float32 scales) or gemv_int4.cpp's INT4 block (320 B: nibbles, 16 float16 scales, 16 float16 offsets).
+// Q8_0 / Q4_0 / Q4_1 block of row r (GGUF bytes `src`, 32 weights) into gemv.cpp's INT8 block (544 B: weights + 128,
+// then 16 float16 scales, the file's d) or gemv_int4.cpp's INT4 block (320 B: nibbles, 16 float16 scales, 16 float16 offsets).
 void place_block32(int64_t type, const uint8_t* src, int64_t r, uint8_t* block) {
   if (type == kQ8_0) {
     for (int t = 0; t < 8; ++t)
       for (int j = 0; j < 4; ++j) block[64 * t + 4 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(src[2 + 4 * t + j]) + 128);
-    const float d = half_to_float(src);
-    std::memcpy(block + 512 + 4 * r, &d, 4);
+    std::memcpy(block + 512 + 2 * r, src, 2);  // d, float16 as the file has it
     return;
   }
   const uint8_t* qs = src + (type == kQ4_0 ? 2 : 4);
@@ -371,7 +364,7 @@ void place_block32(int64_t type, const uint8_t* src, int64_t r, uint8_t* block) 
   if (type == kQ4_1) {
     std::memcpy(block + 288 + 2 * r, src + 2, 2);
   } else {
-    const c10::Half offset(-8.0f * half_to_float(src));
+    const c10::Half offset(-8.0f * half_bits_to_float(src));
     std::memcpy(block + 288 + 2 * r, &offset.x, 2);
   }
 }
@@ -433,7 +426,7 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, torch::Tensor rows, i
   const int64_t n = index.numel(), groups = (n + kGroupRows - 1) / kGroupRows, units = k / unit;
   const int64_t* idx = index.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < raw.size(0), "row index ", idx[i], " is outside");
-  const int64_t out_bytes = super ? record_bytes(type) : type == kQ8_0 ? 512 + 4 * kGroupRows : kInt4BlockBytes;
+  const int64_t out_bytes = super ? record_bytes(type) : type == kQ8_0 ? 512 + 2 * kGroupRows : kInt4BlockBytes;
   torch::Tensor out;
   if (out_given.has_value()) {
     out = *out_given;

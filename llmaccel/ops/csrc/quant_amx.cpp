@@ -28,7 +28,7 @@ namespace llmaccel {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 namespace {
 
-constexpr int64_t kInt8BlockBytes = 512;  // 16 rows x 32 inputs (+ 64 bytes of scales where they are inside)
+constexpr int64_t kInt8BlockBytes = 512;  // 16 rows x 32 inputs (+ 32 bytes of float16 scales where they are inside)
 constexpr int64_t kScaleAt4 = 256, kOffsetAt4 = 288;
 
 // Lane l of a 16-lane vector covering 4 rows x 4 inputs belongs to row 4 q + l / 4: the per-row values
@@ -55,8 +55,9 @@ void unpack_int8_group(const uint8_t* group, int64_t nb, int64_t stride, bool sc
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * stride;
-    const __m512 scale = scaled ? _mm512_loadu_ps(reinterpret_cast<const float*>(block + kInt8BlockBytes))
-                                : _mm512_setzero_ps();
+    const __m512 scale =
+        scaled ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt8BlockBytes)))
+               : _mm512_setzero_ps();
     for (int t = 0; t < 8; ++t) {  // chunk t: row r's inputs 4 t .. 4 t + 3 at bytes 4 r .., plus 128
       __m512 f[4];
       for (int q = 0; q < 4; ++q) {

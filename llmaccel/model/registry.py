@@ -3,7 +3,7 @@
 config.json names the architecture (`architectures`, or `model_type` where that list is missing; a GGUF
 file's `general.architecture` is mapped to it when the file is converted). Each family is one file under
 model/ holding a `CausalLM` subclass: its `read_spec` (config.json -> ModelSpec) and its decoder layer.
-Adding a family is that file plus its lines here; see the README's "Adding a model family".
+Adding a family is that file plus its lines here; see docs/models.md, "Adding a model family".
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def resolve_architecture(config: dict, source: str = "config.json") -> str:
         found = ", ".join(map(str, archs)) or f"model_type={config.get('model_type')!r}"
         raise UnsupportedModelError(
             f"{source}: architecture {found} is not supported; llmaccel runs {', '.join(ARCHITECTURES)} "
-            "(adding one: README, 'Adding a model family')")
+            "(adding one: docs/models.md, 'Adding a model family')")
     return arch
 
 

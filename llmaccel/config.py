@@ -126,7 +126,7 @@ class SpeculativeConfig:
     # lookup, drafts copied from earlier in the context; None: off (or "draft" when a model is given)
     speculative_model: str | None = None  # the draft model: a directory, GGUF file or alias, same tokenizer
     num_speculative_tokens: int = 2  # drafts a decoding request has verified per step (K); 2 measured best
-    # on a 2-core Zen 4 (docs/benchmarks.md: three verification rows cost ~1.2x one, four 1.5-2x)
+    # on a 2-core Zen 4 (docs/results/issue15/HISTORY.md: three verification rows cost ~1.2x one, four 1.5-2x)
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram searched for ...
     prompt_lookup_min: int = 2  # ... and the shortest
     speculative_max_batch: int | None = None  # speculate only while at most this many requests run;

@@ -5,7 +5,7 @@ partly in L3 against one that does not, torch's sum against llmaccel's INT4 kern
 
 The ceiling that `bench compare` holds a lone request against is `platform.read_bandwidth_gbps`: two
 threads summing 512 MB on huge pages. On the 2-core AMD EPYC Zen 4 machines this project runs on, that
-reading jumps between ~35 and ~70 GB/s within minutes; this shows which part moves (docs/benchmarks.md,
+reading jumps between ~35 and ~70 GB/s within minutes; this shows which part moves (docs/results/issue14/HISTORY.md,
 "What the bursts are").
 """
 

@@ -1,7 +1,7 @@
 """Would a draft head on the target's own hidden states (EAGLE, Li et al. 2024) draft well enough here?
 
 The distilled 8-layer student drafts the default model's next token 31-38% of the time, and a
-speculative step needs ~70% for 1.5x (docs/benchmarks.md). EAGLE's draft is one decoder layer that
+speculative step needs ~70% for 1.5x (docs/results/issue15/HISTORY.md). EAGLE's draft is one decoder layer that
 reads the target's last hidden state at position t together with the embedding of token t + 1, and
 predicts the hidden state at t + 1, whose LM-head argmax is the draft for token t + 2: the target's
 own features carry most of what it will say next. This trains such a head for a few minutes on the

@@ -1,7 +1,7 @@
 """One linear layer at a few row counts: oneDNN packed float32, llmaccel's float32 panel kernel, oneDNN's
 bfloat16 GEMM (F.linear), llmaccel's bfloat16 streaming kernel and AVX512-BF16 GEMM, torch's INT8 kernel and llmaccel's
 INT8/INT4 kernels (ops/gemv.py), with the read rate each reaches.
-The figures in docs/benchmarks.md ("Fast on the machine it lands on") and ops/cpu_linear.py came from
+The figures in docs/results/issue14/HISTORY.md ("Fast on the machine it lands on") and ops/cpu_linear.py came from
 this comparison.
 
     .venv/bin/python tools/gemv_bench.py --rows 1,8,64,256,1024

@@ -1,0 +1,77 @@
+"""`bench report`: the headline tables of docs/benchmarks.md from `bench compare` result files."""
+
+from __future__ import annotations
+
+import json
+
+from llmaccel.bench.headline import BEGIN, END
+from llmaccel.cli import main
+
+ZEN3 = {"cpu": "AMD EPYC", "cpu_family_model": "25/1", "cores": 2, "features": ["avx2", "fma"]}
+XEON = {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "features": ["avx2", "fma", "avx512f", "avx512_bf16",
+                                                                       "amx_tile"]}
+
+
+def system(label: str, rates: list[float], burst: float, rss_gib: float, start: float, paired_with: list[str]) -> dict:
+    return {"label": label, "paired_with": paired_with, "start_seconds": start, "peak_rss_bytes": rss_gib * 2**30,
+            "single": {"request_output_throughput": rates, "output_throughput": sum(rates) / len(rates),
+                       "completed": len(rates), "total_output_tokens": 128 * len(rates)},
+            "concurrent": {"output_throughput": burst, "completed": 64, "total_output_tokens": 64 * 64}}
+
+
+def write(path, machine: dict, systems: list[dict], **extra) -> str:
+    path.write_text(json.dumps({"model": "/root/shapes/llama-3b-Q8_0.gguf", "machine": machine,
+                                "systems": systems, **extra}))
+    return str(path)
+
+
+def test_report_groups_tables_by_machine_kind_with_side_by_side_ratios(tmp_path, capsys):
+    zen3 = write(tmp_path / "3b-zen3.json", ZEN3, [
+        system("llmaccel-Q8_0", [8.0, 9.0, 10.0], 21.2, 3.61, 11.7, ["llama.cpp-Q8_0"]),
+        system("llama.cpp-Q8_0", [6.0, 6.0, 8.0], 13.1, 4.74, 2.7, ["llmaccel-Q8_0"]),
+        {"label": "openvino-int8", "failed_to_start": "did not come up"},
+    ], date="2026-12-05T07:00Z", commit="abc1234")
+    xeon = write(tmp_path / "xeon.json", XEON, [system("llmaccel", [30.0], 800.0, 1.5, 9.0, [])],
+                 date="2026-12-02T10:00Z", commit="def5678+changes")
+    assert main(["bench", "report", zen3, xeon]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[:9] == [
+        "### AMD EPYC (family/model 25/1), AVX2, 2 cores",
+        "",
+        f"**llama-3b-Q8_0.gguf**: 2026-12-05T07:00Z, commit abc1234, [3b-zen3.json]({zen3})",
+        "",
+        "| server | W1 tok/s (3 x 128 tokens), median repeat | the first of its group over this, side by side "
+        "| W2 tok/s (64 x 64 tokens) | peak RSS GiB | start s |",
+        "|---|---:|---:|---:|---:|---:|",
+        "| llmaccel-Q8_0 | 9 |  | 21.2 | 3.61 | 11.7 |",
+        # round by round 8/6, 9/6, 10/8: the median is 1.33, not the ratio of the medians (9/6 = 1.5)
+        "| llama.cpp-Q8_0 | 6 | 1.33x | 13.1 | 4.74 | 2.7 |",
+        "| openvino-int8 | did not start | | | | |",
+    ]
+    assert "### Intel(R) Xeon(R) Processor, AMX, 2 cores" in out and "commit def5678+changes" in out
+
+
+def test_update_rewrites_only_the_part_between_the_markers(tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    result = write(tmp_path / "results" / "r.json", ZEN3, [system("llmaccel", [10.0], 50.0, 2.0, 5.0, [])],
+                   date="2026-12-05T07:00Z", commit="abc1234")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nintro\n\n{BEGIN}\nold table\n{END}\n\n## Details\n")
+    assert main(["bench", "report", result, "--update", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"# Benchmarks\n\nintro\n\n{BEGIN}\n### AMD EPYC")
+    assert text.endswith(f"{END}\n\n## Details\n")
+    assert "old table" not in text and "[r.json](results/r.json)" in text  # linked from the doc's folder
+    assert main(["bench", "report", result, "--update", str(doc)]) == 0
+    assert doc.read_text() == text  # regenerating changes nothing
+
+
+def test_report_names_what_is_wrong(tmp_path, capsys):
+    doc = tmp_path / "plain.md"
+    doc.write_text("# no markers\n")
+    result = write(tmp_path / "r.json", ZEN3, [system("llmaccel", [10.0], 50.0, 2.0, 5.0, [])])
+    assert main(["bench", "report", result, "--update", str(doc)]) == 2
+    (tmp_path / "offline.json").write_text('{"results": []}')
+    assert main(["bench", "report", str(tmp_path / "offline.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{doc}: needs one line" in err and "offline.json: not a `bench compare` result file" in err

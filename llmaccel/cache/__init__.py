@@ -1,1 +1,2 @@
-"""Caches above the engine: the exact result cache."""
+"""The exact result cache (memory LRU + SQLite): whole answers kept above the engine. Its floor is "weight
+formats and data": it imports only settings and leaves (outputs, sampling_params); the server uses it."""

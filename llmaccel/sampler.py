@@ -7,7 +7,7 @@ token (in vocabulary order) at which the kept probabilities' running sum passes 
 Rows with a seed draw u from their own generator, so what they sample does not depend on who else
 is in the batch. On the CPU one C++ call does all of it for the batch (ops/csrc/sampling.cpp: no
 sort of the vocabulary, no random number per token; 6-35x faster than the exponential race over a
-sorted vocabulary it replaced, tools/sampler_bench.py). The torch path below runs on other devices,
+sorted vocabulary it replaced, measured by a probe in the git history). The torch path below runs on other devices,
 and the tests hold the two to the same token.
 
 `distribution` gives the distribution a row's token is drawn from (a greedy row's at temperature 1),

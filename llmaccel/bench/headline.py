@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from llmaccel.bench.compare import paired_leads
@@ -31,12 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine_kind(machine: dict) -> str:
-    """e.g. 'AMD EPYC (family/model 25/1), AVX2, 2 cores'."""
+    """e.g. 'AMD EPYC, AVX2, 2 cores': the CPU, the best instruction set its kernels use, its cores (older
+    result files carry no family/model, so the kind goes by what decides kernel speed)."""
     features = set(machine.get("features") or ())
     level = next((name for flag, name in _LEVELS if flag in features), "no AVX2")
-    family = f" (family/model {machine['cpu_family_model']})" if machine.get("cpu_family_model") else ""
     gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
-    return f"{machine.get('cpu', 'unknown CPU')}{family}, {level}, {machine.get('cores', '?')} cores{gpu}"
+    return f"{machine.get('cpu', 'unknown CPU')}, {level}, {machine.get('cores', '?')} cores{gpu}"
+
+
+def _model_name(model: object) -> str:
+    """The model a run measured: a shape's file name without its format (llama-3b-Q8_0.gguf -> llama-3b), for
+    runs whose servers each serve one format of it, or the alias as given."""
+    stem = Path(str(model)).name.removesuffix(".gguf")
+    match = re.fullmatch(r"(.+)-(F32|F16|BF16|Q\d\w*)", stem)
+    return match.group(1) if match else stem
 
 
 def _median_rate(system: dict) -> float | None:
@@ -68,7 +77,7 @@ def result_table(path: Path, record: dict, link_base: Path | None = None) -> str
     leads = paired_leads(systems)
     link = path.resolve().relative_to(link_base.resolve()) if link_base and path.resolve().is_relative_to(
         link_base.resolve()) else path
-    lines = [f"**{Path(str(record.get('model', '?'))).name}**: {origin['date'] or 'date unknown'}, commit "
+    lines = [f"**{_model_name(record.get('model', '?'))}**: {origin['date'] or 'date unknown'}, commit "
              f"{origin['commit'] or 'unknown'}, [{path.name}]({link.as_posix()})", "",
              f"| server | W1 tok/s{_shape([s['single'] for s in systems])}, median repeat | the first of its "
              f"group over this, side by side | W2 tok/s{_shape([s['concurrent'] for s in systems])} | peak RSS GiB "

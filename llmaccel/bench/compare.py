@@ -92,7 +92,7 @@ def _labelled(value: str) -> tuple[str, str]:
     return label, rest
 
 
-def _weight_bytes(value: str, flag: str = "--weight-bytes") -> tuple[str, int]:
+def _labelled_bytes(value: str, flag: str = "--weight-bytes") -> tuple[str, int]:
     label, number = _labelled(value)
     try:
         count = int(float(number))
@@ -152,7 +152,8 @@ def _run_group(group: list[tuple[str, list[str]]], args: argparse.Namespace, tok
         for label, command in group:
             if started and not _room_for(started, label, weight_bytes, memory_bytes):
                 print(f"{label} does not fit beside {started[0][0]}: measured after it", file=sys.stderr)
-                systems += _finish(started, args, tokenizer, weight_bytes, peer_labels)
+                systems += _measure_started(started, args, tokenizer, weight_bytes, peer_labels)
+                _stop_all(started)
                 started = []
             port = free_port()
             print(f"starting {label} on port {port} (log: {logs / label}.log)", file=sys.stderr)
@@ -166,34 +167,33 @@ def _run_group(group: list[tuple[str, list[str]]], args: argparse.Namespace, tok
             # the peak up to serving (the load's), and the start time
             started.append((label, proc, f"http://127.0.0.1:{port}", round(time.monotonic() - began, 1),
                             peak_rss_bytes(proc.pid)))
-        systems += _finish(started, args, tokenizer, weight_bytes, peer_labels)
-        started = []
+        systems += _measure_started(started, args, tokenizer, weight_bytes, peer_labels)
     finally:
-        for _, proc, *_ in started:
-            stop_server(proc)
+        _stop_all(started)
     order = [label for label, _ in group]
     return sorted(systems, key=lambda s: order.index(s["label"]))
 
 
-def _finish(started: list, args: argparse.Namespace, tokenizer, weight_bytes: dict[str, int],
-            peer_labels: set[str]) -> list[dict]:
-    """Measure the servers that are up, then stop them."""
-    try:
-        benches = [_bench(url, label, args.peer_extra_body if label in peer_labels else None, tokenizer)
-                   for label, _, url, *_ in started]
-        figures = _measure(benches, args, tokenizer, weight_bytes) if benches else []
-        for figure, (_, proc, _, start_seconds, load_rss) in zip(figures, started, strict=True):
-            figure.update(start_seconds=start_seconds, load_rss_bytes=load_rss, peak_rss_bytes=peak_rss_bytes(proc.pid),
-                          paired_with=[label for label, *_ in started if label != figure["label"]])
-        return figures
-    finally:
-        for _, proc, *_ in started:
-            stop_server(proc)
+def _measure_started(started: list, args: argparse.Namespace, tokenizer, weight_bytes: dict[str, int],
+                     peer_labels: set[str]) -> list[dict]:
+    """Measure the servers that are up (their peak memory read while they still run)."""
+    benches = [_bench(url, label, args.peer_extra_body if label in peer_labels else None, tokenizer)
+               for label, _, url, *_ in started]
+    figures = _measure(benches, args, tokenizer, weight_bytes) if benches else []
+    for figure, (_, proc, _, start_seconds, load_rss) in zip(figures, started, strict=True):
+        figure.update(start_seconds=start_seconds, load_rss_bytes=load_rss, peak_rss_bytes=peak_rss_bytes(proc.pid),
+                      paired_with=[label for label, *_ in started if label != figure["label"]])
+    return figures
+
+
+def _stop_all(started: list) -> None:
+    for _, proc, *_ in started:
+        stop_server(proc)
 
 
 def run(args: argparse.Namespace) -> int:
-    weight_bytes = dict(_weight_bytes(value) for value in args.weight_bytes)  # bad input fails before any work
-    memory_bytes = dict(_weight_bytes(value, '--memory-bytes') for value in args.memory_bytes)
+    weight_bytes = dict(_labelled_bytes(value) for value in args.weight_bytes)  # bad input fails before any work
+    memory_bytes = dict(_labelled_bytes(value, "--memory-bytes") for value in args.memory_bytes)
     if args.paired and not args.interleave:
         raise ValueError("--paired takes its pairs from --interleave: give both")
     tokenizer = tokenizer_for(argparse.Namespace(tokenizer=args.model, model=args.model))
@@ -237,7 +237,7 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
         (f"mean latency, 1 request x {args.single_output_len} tokens (s)",
          lambda s: s["single"]["mean_e2el_ms"] / 1000, "lower"),
         ("output tokens/s, 1 request", lambda s: s["single"]["output_throughput"], "higher"),
-        ("output tokens/s, 1 request, median repeat", lambda s: _median_rate(s), "higher"),
+        ("output tokens/s, 1 request, median repeat", median_lone_rate, "higher"),
         ("1 request side by side: the first of its group over this (median of each round's ratio)",
          lambda s: leads.get(s["label"]), None),
         ("1 request: share of the bandwidth ceiling (%, median repeat)",
@@ -275,7 +275,8 @@ def format_table(systems: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _median_rate(system: dict) -> float | None:
+def median_lone_rate(system: dict) -> float | None:
+    """The median of a server's lone requests' rates (tokens / latency), or None where none succeeded."""
     rates = [rate for rate in system["single"].get("request_output_throughput") or [] if rate]
     return statistics.median(rates) if rates else None
 

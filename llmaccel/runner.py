@@ -35,7 +35,7 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         shape = (num_slots, spec.num_kv_heads, spec.head_dim)
         self._buffer: mmap.mmap | None = None
-        slab = self._allocate((spec.num_layers, 2, *shape), dtype)
+        slab = self.kv_slab = self._allocate((spec.num_layers, 2, *shape), dtype)
         self.kv_caches = [(slab[i, 0], slab[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, device)
         self._generators: dict[str, torch.Generator] = {}
@@ -56,6 +56,12 @@ class ModelRunner:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self._buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return torch.frombuffer(self._buffer, dtype=dtype, count=numel).view(shape)
+
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` slots of block `source` into block `target`, every layer's K and V
+        (a partial prefix-cache hit, engine/kv_cache_manager.py)."""
+        src, dst = source * self.block_size, target * self.block_size
+        self.kv_slab[:, :, dst:dst + num_tokens].copy_(self.kv_slab[:, :, src:src + num_tokens])
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

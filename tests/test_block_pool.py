@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmaccel.engine.block_pool import BlockPool
-from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from llmaccel.engine.request import Request
 from llmaccel.sampling_params import SamplingParams
 
@@ -103,9 +103,10 @@ def test_free_releases_a_request_tail_first():
 
 
 # ---- prefix caching ---------------------------------------------------------------------------------
-def _computed(kv: KVCacheManager, request: Request, cached: list[int] | None = None) -> Request:
-    """Admit `request` (on `cached` blocks) and mark its whole prompt computed, as a step would."""
-    assert kv.allocate_slots(request, request.num_tokens - len(cached or []) * kv.block_size, cached) is not None
+def _computed(kv: KVCacheManager, request: Request, cached: CachedPrefix | None = None) -> Request:
+    """Admit `request` (on a `cached` prefix) and mark its whole prompt computed, as a step would."""
+    num_cached = cached.num_tokens(kv.block_size) if cached else 0
+    assert kv.allocate_slots(request, request.num_tokens - num_cached, cached) is not None
     request.num_computed_tokens = request.num_tokens
     kv.cache_computed_blocks(request)
     return request
@@ -118,21 +119,21 @@ def test_full_computed_blocks_are_hashed_and_a_new_request_reuses_the_longest_pr
     assert [h is not None for h in kv.pool.block_hashes[:3]] == [True, True, False]
     b = Request("b", list(range(1, 9)) + [99, 98, 97], SamplingParams())  # shares tokens 1..8
     cached = kv.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached.blocks == [0, 1]
     assert kv.allocate_slots(b, 3, cached) == [3]
     assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8
     assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]
     c = Request("c", list(range(1, 5)) + [50, 6, 7, 8], SamplingParams())  # differs inside block 1
-    assert kv.find_cached_prefix(c) == [0]
+    assert kv.find_cached_prefix(c).blocks == [0]
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     _computed(kv, _request(8, "a"))
     again = _request(8, "b")
-    assert kv.find_cached_prefix(again) == [0]  # block 1 would leave nothing to compute
+    assert kv.find_cached_prefix(again).blocks == [0]  # block 1 would leave nothing to compute
     longer = _request(9, "c")
-    assert kv.find_cached_prefix(longer) == [0, 1]
+    assert kv.find_cached_prefix(longer).blocks == [0, 1]
 
 
 def test_freed_cached_blocks_wait_at_the_tail_and_are_evicted_deepest_first():
@@ -143,7 +144,7 @@ def test_freed_cached_blocks_wait_at_the_tail_and_are_evicted_deepest_first():
     assert kv.pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
     assert kv.pool.allocate(4) == [2, 3, 4, 5] and kv.pool.num_evictions == 0
     assert kv.pool.allocate(1) == [1] and kv.pool.num_evictions == 1
-    assert kv.find_cached_prefix(_request(10, "b")) == [0]  # block 0's prefix survives, block 1's is gone
+    assert kv.find_cached_prefix(_request(10, "b")).blocks == [0]  # block 0's prefix survives, block 1's is gone
 
 
 def test_a_reused_block_leaves_the_free_queue_and_is_never_evicted_while_shared():
@@ -152,7 +153,7 @@ def test_a_reused_block_leaves_the_free_queue_and_is_never_evicted_while_shared(
     kv.free(a)
     b = _request(9, "b")
     cached = kv.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached.blocks == [0, 1]
     assert kv.allocate_slots(b, 1, cached) == [2]
     assert kv.pool.free_block_ids() == [3]
     assert kv.pool.allocate(2) is None  # blocks 0 and 1 are in use again: not evictable
@@ -166,7 +167,7 @@ def test_an_allocation_that_cannot_be_met_takes_no_cached_block():
     kv.free(a)
     b = _request(20, "b")
     cached = kv.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached.blocks == [0, 1]
     assert kv.allocate_slots(b, 12, cached) is None  # needs 3 more blocks, only 1 is free besides the cached 2
     assert b.block_ids == [] and b.num_computed_tokens == 0 and kv.pool.ref_counts == [0, 0, 0]
 
@@ -177,5 +178,5 @@ def test_the_salt_separates_model_variants_and_caching_can_be_turned_off():
     assert first.pool.block_hashes[0] != second.pool.block_hashes[0]
     off = KVCacheManager(4, 4, enable_prefix_caching=False)
     c = _computed(off, _request(8, "c"))
-    assert off.pool.block_hashes == [None] * 4 and off.find_cached_prefix(_request(8, "d")) == []
+    assert off.pool.block_hashes == [None] * 4 and off.find_cached_prefix(_request(8, "d")).blocks == []
     assert a.num_cached_blocks == b.num_cached_blocks == 2 and c.num_cached_blocks == 0

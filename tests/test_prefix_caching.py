@@ -7,6 +7,7 @@ import random
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
@@ -81,7 +82,10 @@ def test_server_exports_prefix_cache_counters(llama_dir):
         server.wait_idle()
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("llmaccel_prefix_cache_")}
-    assert cached[0] == 0 and cached[1] > 0 and cached[1] % 16 == 0  # whole blocks of the shared prompt
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    first, second = (tokenizer.encode(prompt + suffix) for suffix in ("First question?", "Second question?"))
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert cached[0] == 0 and cached[1] == shared  # every token the two prompts share
     assert values["llmaccel_prefix_cache_hits_total"] == cached[1]
     assert values["llmaccel_prefix_cache_queries_total"] > values["llmaccel_prefix_cache_hits_total"]
 

@@ -12,6 +12,13 @@ recently used first. A new request that finds its prefix's hashes takes those bl
 instead of recomputing them; a cached block is evicted, and its hash forgotten, only when the pool
 hands it out again. Blocks in use (ref count > 0) are shared, never evicted.
 
+Each cached block is also indexed under its parent's hash with its own token ids, so a prompt that
+matches a cached block only in its first tokens finds it (`longest_partial_match`): the caller copies
+those tokens' KV into a block of its own instead of recomputing them (token-granular reuse at the end
+of a prefix, as llama.cpp's slots and SGLang's radix cache give). A request's last block, not full
+when it ends, is kept the same way (`cache_partial`): it waits in the free queue like a cached block,
+found only by a partial match, so the next turn of a chat reuses every token of the last one.
+
 With `record_events()`, every hash the cache gains or loses is appended to `events` as
 (stored: bool, hash): a replica publishes them so a router knows which prefixes it holds (as
 vLLM's KV events do for llm-d and Dynamo). Off by default: a single engine needs no log.
@@ -20,6 +27,9 @@ vLLM's KV events do for llm-d and Dynamo). Off by default: a single engine needs
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+PARTIAL = b"partial"  # the hash of a block kept for partial matches only (a prefix hash is 32 bytes)
 
 
 class BlockPool:
@@ -30,6 +40,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # prefix hash -> block holding it
+        # parent prefix hash -> {cached child block: its token ids}, for matches inside a block
+        self.children: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._parents: dict[int, bytes] = {}  # cached block -> the parent hash it is indexed under
         self.num_evictions = 0
         self.num_touched = 0  # blocks ever handed out: the KV pool's memory that has been written (RSS)
         self._touched = bytearray(num_blocks)
@@ -98,23 +111,58 @@ class BlockPool:
                 del self._free[block_id]
             self.ref_counts[block_id] += 1
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Record that `block_id` (full, computed) holds the prefix `block_hash`. A prefix some
-        other block holds already stays with that block."""
+    def cache_block(self, block_id: int, block_hash: bytes, parent: bytes | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """Record that `block_id` (full, computed) holds the prefix `block_hash`: its `token_ids` after
+        the prefix `parent`, when given, for partial matches. A prefix some other block holds already
+        stays with that block."""
         if block_hash not in self.cached and self.block_hashes[block_id] is None:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
+            if parent is not None:
+                self.children.setdefault(parent, {})[block_id] = tuple(token_ids)
+                self._parents[block_id] = parent
             if self.events is not None:
                 self.events.append((True, block_hash))
 
+    def cache_partial(self, block_id: int, parent: bytes, token_ids: Sequence[int]) -> None:
+        """Keep `block_id`, whose first len(token_ids) slots are computed, for partial matches after
+        `parent` once its request frees it (call before freeing)."""
+        if self.block_hashes[block_id] is None and token_ids:
+            self.block_hashes[block_id] = PARTIAL
+            self.children.setdefault(parent, {})[block_id] = tuple(token_ids)
+            self._parents[block_id] = parent
+
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
-        if block_hash is not None:
+        if block_hash is None:
+            return
+        self.block_hashes[block_id] = None
+        parent = self._parents.pop(block_id, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            del siblings[block_id]
+            if not siblings:
+                del self.children[parent]
+        if block_hash != PARTIAL:
             del self.cached[block_hash]
-            self.block_hashes[block_id] = None
             self.num_evictions += 1
             if self.events is not None:
                 self.events.append((False, block_hash))
+
+    def longest_partial_match(self, parent: bytes, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The cached block after prefix `parent` whose tokens begin with the longest run of `token_ids`,
+        and that run's length (>= 1); None where no child of `parent` starts with token_ids[0]."""
+        best: tuple[int, int] | None = None
+        for block_id, tokens in self.children.get(parent, {}).items():
+            length = 0
+            for ours, theirs in zip(token_ids, tokens, strict=False):
+                if ours != theirs:
+                    break
+                length += 1
+            if length and (best is None or length > best[1]):
+                best = (block_id, length)
+        return best
 
     def free_block_ids(self) -> list[int]:
         """The free queue in reuse order (head first); for tests and debugging."""

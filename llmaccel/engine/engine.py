@@ -86,6 +86,8 @@ class LLMEngine:
         self._reference: SequenceScorer | None = None
         self._quantized_checkpoint = quantized_checkpoint
         self.runner.guard = self.guard = build_guard_stage(self, num_blocks)  # the semantic input guard, or None
+        if self.guard is None:  # the guard keeps a row sum per whole block, so it reuses whole blocks only
+            self.kv_cache.copy_prefix = self._copy_kv_prefix
         machine = describe()
         logger.info("machine: %s, %s cores, features %s%s; dtype %s%s; weight-streaming kernels: %s",
                     machine["cpu"], machine["cores"], ",".join(machine["features"]) or "none",
@@ -106,6 +108,13 @@ class LLMEngine:
         self.last_step = StepStats(0, 0)
         self.last_step_failed = False  # the last step's forward pass raised (its requests were failed)
         self.record_confidence = False  # the output guard wants each sample's mean top probability
+
+    def _copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """A partial prefix-cache hit: the first `num_tokens` KV slots of block `source` into `target`, in the
+        target's pool and the draft's (whose KV for cached blocks it reuses as well)."""
+        self.runner.copy_kv_prefix(source, target, num_tokens)
+        if self.drafter is not None:
+            self.drafter.copy_kv_prefix(source, target, num_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -4,7 +4,13 @@ Prefix hashes are chained: block i's hash covers its own token ids and block i-1
 hashes mean equal whole prefixes. The chain starts from a salt naming the model variant (model,
 dtype, quantization), so different weights never share KV. A request admitted with a cached prefix
 starts with those blocks and `num_computed_tokens` past them; at least its last prompt token is
-always computed, since its logits give the first output token.
+always computed, since its logits give the first output token. Past its last whole cached block, a
+prompt may match the first tokens of a cached block (`partial`): with a `copy_prefix` hook (the runner's
+KV copy), the request gets a fresh block holding a copy of those tokens' KV and computes from there, so a
+repeated or continued prompt recomputes only its last token, not up to a block of them. The shared block
+is never written: a copy is cheaper than sharing a block two requests would then extend differently.
+A request's last block, partly computed when it ends, is kept for such matches too, so the next turn
+of a chat finds every token of the last one.
 
 With a KV window (StreamingLLM, `window` and `sinks`), a sequence keeps the blocks of its first
 `sinks` tokens and of its last `window` tokens; each block wholly between them is freed as soon as
@@ -20,8 +26,8 @@ only the prefix blocks its window still reaches.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from llmaccel.engine.block_pool import BlockPool
 from llmaccel.engine.request import Request
@@ -35,6 +41,18 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     digest = hashlib.sha256(parent)
     digest.update(b",".join(str(t).encode() for t in token_ids))
     return digest.digest()
+
+
+@dataclass
+class CachedPrefix:
+    """What a request finds cached: whole `blocks` it shares, then optionally `partial` =
+    (cached block, n): that block's first n tokens' KV, to be copied into a block of its own."""
+
+    blocks: list[int] = field(default_factory=list)
+    partial: tuple[int, int] | None = None
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size + (self.partial[1] if self.partial else 0)
 
 
 @dataclass
@@ -55,6 +73,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = hashlib.sha256(cache_salt.encode()).digest()
         self.stats = PrefixCacheStats()
+        # copies the KV of n token slots from one block to another (src, dst, n): set by the engine to allow
+        # partial-block hits; None (a tiny KV spec in a test, a guard that keeps per-block sums): whole blocks only
+        self.copy_prefix: Callable[[int, int, int], None] | None = None
 
     @property
     def usage(self) -> float:
@@ -64,20 +85,28 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """The blocks holding the longest cached prefix of a request that has computed nothing yet
-        (never all of its tokens). Takes nothing: `allocate_slots` does."""
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest cached prefix of a request that has computed nothing yet (never all of its
+        tokens): whole blocks, then where allowed the first tokens of one more. Takes nothing:
+        `allocate_slots` does."""
+        found = CachedPrefix()
         if not self.enable_prefix_caching or request.num_computed_tokens:
-            return []
+            return found
         if request.params.prompt_logprobs is not None:  # every prompt position must run (as in vLLM)
-            return []
-        hits = []
-        for block_hash_ in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            return found
+        last = request.num_tokens - 1  # tokens that may come from the cache
+        hashes = self._block_hashes(request, last // self.block_size)
+        for block_hash_ in hashes:
             block_id = self.pool.lookup(block_hash_)
             if block_id is None:
                 break
-            hits.append(block_id)
-        return hits
+            found.blocks.append(block_id)
+        if self.copy_prefix is not None and self.window is None:
+            start = len(found.blocks) * self.block_size
+            parent = hashes[len(found.blocks) - 1] if found.blocks else self.root_hash
+            rest = request.all_token_ids[start:min(last, start + self.block_size)]
+            found.partial = self.pool.longest_partial_match(parent, rest) if rest else None
+        return found
 
     def uncached_prefix_hashes(self, request: Request, num_cached_blocks: int) -> list[bytes]:
         """The hashes of a fresh request's full prompt blocks past its cached prefix (what its prefill
@@ -87,27 +116,32 @@ class KVCacheManager:
         return self._block_hashes(request, (request.num_tokens - 1) // self.block_size)[num_cached_blocks:]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached: list[int] | None = None) -> list[int] | None:
+                       cached: CachedPrefix | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of `request`, starting it on the `cached` prefix
-        blocks (from find_cached_prefix) if given.
+        (from find_cached_prefix) if given; a partial hit's tokens are copied into its first new block.
 
         Returns the newly allocated block ids (possibly empty), or None when the pool is short,
         in which case nothing was taken and the caller decides whom to preempt.
         """
-        cached = cached or []
-        num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        held = request.num_skipped_blocks + len(request.block_ids) + len(cached)
+        cached = cached or CachedPrefix()
+        num_computed = request.num_computed_tokens + cached.num_tokens(self.block_size)
+        held = request.num_skipped_blocks + len(request.block_ids) + len(cached.blocks)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
-        kept, skipped = self._cut_to_window(cached, num_computed)
+        kept, skipped = self._cut_to_window(cached.blocks, num_computed)
         unused_cached = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # these leave the free queue
         if needed > self.pool.num_free_blocks - unused_cached:
             return None
-        if cached:
+        if cached.blocks:
             self.pool.touch(kept)
             request.block_ids = kept
             request.num_skipped_blocks = skipped
-            request.num_computed_tokens = num_computed
         new_blocks = self.pool.allocate(max(needed, 0)) or []
+        if cached.partial is not None:
+            # the source's KV is intact even if this very allocation handed it out: nothing has run yet
+            source, count = cached.partial
+            if source != new_blocks[0]:
+                self.copy_prefix(source, new_blocks[0], count)
+        request.num_computed_tokens = num_computed
         request.block_ids.extend(new_blocks)
         return new_blocks
 
@@ -142,7 +176,9 @@ class KVCacheManager:
         for index in range(request.num_cached_blocks, num_full):
             position = self.table_index(request, index)
             if position is not None:
-                self.pool.cache_block(request.block_ids[position], hashes[index])
+                parent = hashes[index - 1] if index else self.root_hash
+                tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
+                self.pool.cache_block(request.block_ids[position], hashes[index], parent, tokens)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def table_index(self, request: Request, logical_block: int) -> int | None:
@@ -170,8 +206,16 @@ class KVCacheManager:
         """The most tokens a windowed sequence computes in one step, so its blocks stay bounded."""
         return self.window
 
-    def free(self, request: Request) -> None:
-        """Release every block of `request` (tail first) at once."""
+    def free(self, request: Request, keep_tail: bool = False) -> None:
+        """Release every block of `request` (tail first) at once. `keep_tail`: its KV is the whole model's
+        for its `num_computed_tokens` (a scheduled request's, not a scoring pass that stops at a layer), so a
+        partly computed last block is kept for partial matches, where they are allowed."""
+        num_full, num_rest = divmod(request.num_computed_tokens, self.block_size)
+        if (keep_tail and self.enable_prefix_caching and self.copy_prefix is not None and self.window is None
+                and num_rest and num_full < len(request.block_ids)):
+            parent = self._block_hashes(request, num_full)[-1] if num_full else self.root_hash
+            tokens = request.all_token_ids[num_full * self.block_size:request.num_computed_tokens]
+            self.pool.cache_partial(request.block_ids[num_full], parent, tokens)
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
         request.num_cached_blocks = 0

@@ -106,11 +106,11 @@ class Scheduler:
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request)
-            computes = self.kv_cache.uncached_prefix_hashes(request, len(cached))
+            computes = self.kv_cache.uncached_prefix_hashes(request, len(cached.blocks))
             if computes and computes[0] in in_flight:
                 break  # it waits a step for that block; the first admitted in any step never waits
             in_flight.update(computes)
-            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            num_cached_tokens = cached.num_tokens(self.kv_cache.block_size)
             num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, cached) is None:
                 break
@@ -127,7 +127,7 @@ class Scheduler:
         return min(remaining, budget) if limit is None else min(remaining, budget, limit)
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, keep_tail=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -189,4 +189,4 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, keep_tail=True)

@@ -166,6 +166,9 @@ class HeadDrafter:
             self._features.pop(item.request.request_id, None)
         return drafts
 
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        self.runner.copy_kv_prefix(source, target, num_tokens)
+
     def _start(self, request) -> int:
         known = self._computed.get(request.request_id)
         if known is None:  # first draft since admission: the prefix cache's blocks hold head KV too

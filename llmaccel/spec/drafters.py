@@ -42,6 +42,9 @@ class Drafter(Protocol):
     def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
         """The target's final hidden states of a step's rows (only when `wants_features`)."""
 
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """A partial prefix-cache hit copies the target's KV slots: copy the draft's as well, if it has any."""
+
 
 class NgramDrafter:
     steady = True
@@ -62,6 +65,9 @@ class NgramDrafter:
         pass
 
     def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        pass
+
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
         pass
 
 
@@ -92,6 +98,9 @@ class LookupFirstDrafter:
     def observe(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
         self.inner.observe(features)
 
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        self.inner.copy_kv_prefix(source, target, num_tokens)
+
 
 class ModelDrafter:
     wants_features = False
@@ -101,6 +110,9 @@ class ModelDrafter:
         self.vocabulary = vocabulary
         self._computed: dict[str, int] = {}  # request id -> positions whose draft KV is valid
         self.steady = True
+
+    def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        self.runner.copy_kv_prefix(source, target, num_tokens)
 
     def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
         if not items:

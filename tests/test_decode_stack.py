@@ -46,6 +46,9 @@ def _run(llm: LLM, prompts: list[list[int]], tokens: int) -> list[tuple[list[int
 
 
 def _stack_against_layers(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+    """`llm` without prefix caching: the second run must compute each prompt as the first did (a cached
+    prompt's last token alone runs as a decode row, whose kernel may sum in another order)."""
+    assert not llm.engine.kv_cache.enable_prefix_caching
     model = llm.engine.runner.model
     assert model.decode_stack is not None, "the stack should serve this model"
     stack = model.decode_stack
@@ -60,7 +63,7 @@ def _stack_against_layers(llm: LLM, prompts: list[list[int]], tokens: int) -> No
 @pytest.mark.parametrize("name", STACKED)
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_stack_gives_the_layer_paths_logits_to_the_bit(tiny_model_dirs, name, quantization):
-    llm = LLM(str(tiny_model_dirs[name]), dtype="float32", quantization=quantization)
+    llm = LLM(str(tiny_model_dirs[name]), dtype="float32", quantization=quantization, enable_prefix_caching=False)
     _stack_against_layers(llm, _prompts(), tokens=24)
 
 
@@ -69,7 +72,7 @@ def test_the_stack_keeps_to_each_layers_sliding_window(tmp_path, tiny_tokenizer)
     torch.manual_seed(7)
     MistralForCausalLM(config).eval().save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32")
+    llm = LLM(str(tmp_path), dtype="float32", enable_prefix_caching=False)
     assert all(layer.window == 16 for layer in llm.engine.runner.model.layers)
     _stack_against_layers(llm, _prompts(), tokens=40)  # every sequence decodes far past its window
 

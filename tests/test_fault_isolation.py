@@ -31,7 +31,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
 
 @pytest.fixture
 def llm(llama_dir):
-    return LLM(str(llama_dir), num_kv_blocks=128)
+    # no prefix cache: a rerun must compute each prompt as the first run did, to compare them to the bit
+    # (a cached prompt's last token alone runs as a decode row, whose kernel may sum in another order)
+    return LLM(str(llama_dir), num_kv_blocks=128, enable_prefix_caching=False)
 
 
 def poison_sampler(monkeypatch) -> list[int]:

@@ -222,7 +222,7 @@ def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(l
     from tests.test_decode_stack import _prompts, _stack_against_layers
 
     path = _write(llama256, tmp_path, {**Q4_K_M, "ffn_up.weight": Q.Q5_K}, tiny_tokenizer)
-    _stack_against_layers(LLM(str(path), quantization="gguf"), _prompts(), tokens=12)
+    _stack_against_layers(LLM(str(path), quantization="gguf", enable_prefix_caching=False), _prompts(), tokens=12)
 
 
 def test_an_unsupported_tensor_type_is_a_named_error(llama256, tmp_path, tiny_tokenizer):

@@ -218,8 +218,8 @@ def _quantized_module(kind: str, n: int, k: int, seed: int):
     from llmaccel.quantization.formats import Int8Weight, quantize
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    if kind == "q8_0":  # a scale per 32 inputs, as GGUF's Q8_0 (held inside the blocks)
-        scale = w.view(n, k // 32, 32).abs().amax(-1) / 127
+    if kind == "q8_0":  # a scale per 32 inputs, float16 as GGUF's Q8_0 holds it inside the blocks
+        scale = (w.view(n, k // 32, 32).abs().amax(-1) / 127).half().float()
         q = torch.round(w / scale.repeat_interleave(32, dim=1)).clamp(-127, 127).to(torch.int8)
         weight = Int8Weight(q, scale, 32)
     else:

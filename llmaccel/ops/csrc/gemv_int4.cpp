@@ -40,8 +40,8 @@ template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t k, int64_t i0, int rows,
                 float* y, int64_t ldy, int64_t cols) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 even[MR], odd[MR], off[MR];
-  for (int r = 0; r < MR; ++r) even[r] = odd[r] = off[r] = _mm512_setzero_ps();
+  __m512 even[MR], odd[MR];
+  for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * kInt4BlockBytes;
     __m512i lo[4], hi[4];
@@ -64,20 +64,21 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       }
       const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[i * nb + b]));
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot_lo, dot_hi));
-      if (b & 1)
-        odd[r] = _mm512_fmadd_ps(ds, dot, odd[r]);
-      else
-        even[r] = _mm512_fmadd_ps(ds, dot, even[r]);
-      off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum[i * nb + b]), off[r]);
+      // the block's offset term joins its accumulator by FMA, after its dot: a fixed order of builtins the
+      // compiler may not reassociate under -ffast-math (a third accumulator summed at the end was, for one
+      // row a pass and not for more, so a row's result depended on the rows beside it)
+      __m512& acc = b & 1 ? odd[r] : even[r];
+      acc = _mm512_fmadd_ps(ds, dot, acc);
+      acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum[i * nb + b]), acc);
     }
   }
   for (int r = 0; r < rows; ++r) {
     alignas(64) float sums[kGroupRows];
-    _mm512_store_ps(sums, _mm512_add_ps(_mm512_add_ps(even[r], odd[r]), off[r]));
+    _mm512_store_ps(sums, _mm512_add_ps(even[r], odd[r]));
     store_row(sums, y + (i0 + r) * ldy, cols);
   }
 }
-constexpr int kPassRows = 4;  // 8 weight registers + 3 accumulators a row: 20 of 32 zmm
+constexpr int kPassRows = 4;  // 8 weight registers + 2 accumulators a row: 16 of 32 zmm
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LLMACCEL_I4_AVX2 1

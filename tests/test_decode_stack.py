@@ -146,7 +146,7 @@ def test_a_kernel_that_does_not_read_the_stacks_weights_is_refused_by_name(tiny_
         step(packed, "stream")
     with pytest.raises(RuntimeError, match="bfloat16 kernel 'brgemm' does not read this stack's plain weights"):
         step(plain, "brgemm")
-    with pytest.raises(RuntimeError, match="kernel 'dequant_brgemm' reads INT8 and INT4 weights only"):
+    with pytest.raises(RuntimeError, match="kernel 'dequant_brgemm' reads INT8, INT4 and K-quant weights only"):
         step(plain, "dequant_brgemm")
     step(packed, "brgemm")
     step(plain, "stream")  # and each with its own kind, well formed, runs

@@ -217,12 +217,53 @@ def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(ll
     assert model.layers[0].qkv.blocks.shape[0] == (256 + 2 * 128) // 16  # q, k, v: 16-row groups in one tensor
 
 
+needs_amx = pytest.mark.skipif(
+    kernels is None or not hasattr(kernels, "vnni_available") or not kernels.vnni_available(),
+    reason="no AMX kernels on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_the_amx_kernel_reads_k_quants_as_the_file_holds_them(qtype, rows):
+    """Random K-quant bytes (every scale, min and high bit) dequantized a block at a time for AMX tiles: the
+    float64 product with the file's own weights, each weight rounded once to bfloat16 and the sum once."""
+    rng = np.random.default_rng(11)
+    n, k = 72, 512  # 4.5 groups of 16: the last block of 32 columns has one group, its other half zeros
+    raw = torch.from_numpy(np.ascontiguousarray(_random_k_blocks(qtype, n, rng)))
+    weight = quants.dequantize(raw, int(qtype), k).double()
+    blocks = kernels.gguf_repack(raw, int(qtype), torch.arange(n), k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = kernels.kquant_linear_amx(x, blocks, int(qtype), n)
+    want = x.double() @ weight.T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    bound = 2**-9 * (x.double().abs() @ weight.abs().T) + 2**-9 * want.abs() + 1e-6 * k
+    assert ((got.double() - want).abs() <= bound).all()
+
+
 @needs_kernels
 def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(llama256, tmp_path, tiny_tokenizer):
     from tests.test_decode_stack import _prompts, _stack_against_layers
 
     path = _write(llama256, tmp_path, {**Q4_K_M, "ffn_up.weight": Q.Q5_K}, tiny_tokenizer)
     _stack_against_layers(LLM(str(path), quantization="gguf", enable_prefix_caching=False), _prompts(), tokens=12)
+
+
+@needs_amx
+@pytest.mark.parametrize("kernel", ["stream", "dequant_brgemm"])
+def test_a_bfloat16_stack_takes_k_quants_and_fused_parts_to_amx_as_the_layers_do(llama256, tmp_path, tiny_tokenizer,
+                                                                                   kernel, monkeypatch):
+    """Q4_K q/k beside a Q6_K v in one fused projection, Q5_K and Q6_K in the MLP: with every quantized
+    projection on the AMX kernel (or all streaming), the stack and the layers agree to the bit."""
+    from llmaccel.ops.kernel_choice import QUANT_FORCE_ENV
+    from tests.test_decode_stack import _prompts, _stack_against_layers
+
+    monkeypatch.setenv(QUANT_FORCE_ENV, kernel)
+    path = _write(llama256, tmp_path, {**Q4_K_M, "attn_v.weight": Q.Q6_K, "ffn_up.weight": Q.Q5_K}, tiny_tokenizer)
+    llm = LLM(str(path), quantization="gguf", dtype="bfloat16", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.decode_stack is not None and model.layers[0].qkv.batch_choice.kernel(64) == kernel
+    _stack_against_layers(llm, _prompts(), tokens=12)
 
 
 def test_an_unsupported_tensor_type_is_a_named_error(llama256, tmp_path, tiny_tokenizer):

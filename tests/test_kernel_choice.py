@@ -232,7 +232,7 @@ def _quantized_module(kind: str, n: int, k: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 5, 33, 64, 300])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (96, 576), (576, 1536)])
 def test_the_amx_kernel_for_quantized_weights_matches_float64(kind, rows, n, k):
-    from llmaccel.ops.quant_linear import AMX_KERNEL
+    from llmaccel.ops.block_kernels import AMX_KERNEL
 
     module = _quantized_module(kind, n, k, rows + n)
     assert module.streams and (kind == "int4" or (module.row_scale is not None) == (kind == "int8"))

@@ -22,7 +22,7 @@ from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, b
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
-from llmaccel.ops.kquant_linear import ConcatLinear
+from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
 from llmaccel.quantization.formats import (
     Int4Weight,
@@ -303,22 +303,26 @@ def unify_bf16_kernels(model: CausalLM, rows: int) -> None:
 
 
 def _in_blocks(module: nn.Module) -> bool:
-    return isinstance(module, Int8Linear | Int4Linear) and module.streams
+    """INT8/INT4 blocks, K-quant records, or a fused projection of those: the AMX kernel reads them too."""
+    return isinstance(module, Int8Linear | Int4Linear | KQuantLinear | ConcatLinear) and module.streams
 
 
 def choose_quantized_kernels(model: CausalLM) -> None:
-    """In a bfloat16 model, times the streaming and the AMX kernel on the INT8/INT4 projections in
-    llmaccel's blocks (or reads the cached timing) and gives each such module its batch choice: the
-    layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py)."""
+    """In a bfloat16 model, times the streaming and the AMX kernel on the projections in llmaccel's blocks
+    (INT8, INT4, K-quants; or reads the cached timing) and gives each such module its batch choice: the
+    layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py). A
+    K-quant head takes the layers' choice untimed: timing it reads the whole table back to float32 (1 GB
+    at the 1B shape's vocabulary) for the reference check."""
     modules = list(model.layers[0].projections)
     layers = modules if all(_in_blocks(m) for m in modules) else []
     head = model.lm_head if _in_blocks(model.lm_head) else None
+    kquant_head = isinstance(head, KQuantLinear)
     if not layers and head is None:
         return
-    layers_choice, head_choice = tune_quantized(layers, head)
+    layers_choice, head_choice = tune_quantized(layers, None if kquant_head else head)
     if layers_choice is not None:
         for m in _all_projections(model):
             if _in_blocks(m):
                 m.batch_choice = layers_choice
     if head is not None:
-        head.batch_choice = head_choice
+        head.batch_choice = layers_choice if kquant_head else head_choice

@@ -291,14 +291,24 @@ def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, objec
     return layers, head_choice
 
 
+def _kind_name(module) -> str:
+    """A quantized module's format, for the cache key: its class, row scales, K-quant layout, fused parts."""
+    parts = getattr(module, "parts", None)
+    if parts is not None:
+        return "+".join(_kind_name(p) for p in parts)
+    name = f"{type(module).__name__}:{getattr(module, 'row_scale', None) is not None}"
+    layout = getattr(module, "layout", None)
+    return f"{name}:{layout}" if layout else name
+
+
 def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Choice | None]:
-    """(the layers' choice, the LM head's) between the streaming kernel and the AMX one for INT8/INT4
+    """(the layers' choice, the LM head's) between the streaming kernel and the AMX one for INT8/INT4/K-quant
     modules in llmaccel's blocks in a bfloat16 model (a layer's projections, or none; the head or None):
     from the cache, or timed now. (None, None) where this machine has no AMX kernel."""
     kernels = load_cpu_kernels()
     if kernels is None or not hasattr(kernels, "vnni_available") or not kernels.vnni_available():
         return None, None
-    from llmaccel.ops.quant_linear import AMX_KERNEL
+    from llmaccel.ops.block_kernels import AMX_KERNEL
 
     forced = os.environ.get(QUANT_FORCE_ENV)
     if forced:
@@ -308,7 +318,7 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
         choice = Bf16Choice(((1 << 30, forced),))
         return choice if layer_modules else None, choice if head is not None else None
     modules = layer_modules + ([head] if head is not None else [])
-    kinds = [f"{type(m).__name__}:{getattr(m, 'row_scale', None) is not None}" for m in modules]
+    kinds = [_kind_name(m) for m in modules]
     path = _cache_path([(m.out_features, m.in_features) for m in modules],
                        "quant-" + hashlib.sha256(",".join(kinds).encode()).hexdigest()[:8])
 

@@ -4,7 +4,9 @@ A GGUF file's K-quant tensor is repacked once at load into csrc/kquant.cpp's blo
 6-bit scales kept as integers, d and dmin widened to float32: every weight exactly the file's) and multiplied
 there at every row count, activations quantized to INT8 per 32 inputs as the INT4/INT8 kernels take them.
 Measured on a 2-core AMD EPYC Zen 3 (AVX2) at [8192 x 2048]: one row streams Q4_K at ~37 GB/s, 64 rows run at
-~250 GFLOP/s (float32 weights: ~150). Without the CPU kernels (CUDA, no compiler) the loader dequantizes
+~250 GFLOP/s (float32 weights: ~150). On an AMX CPU a bfloat16 batch may instead take csrc/quant_amx.cpp's
+kernel (each block of 32 columns dequantized to bfloat16 for AMX tiles), where `batch_choice` picks it, as INT8
+and INT4 blocks do (ops/quant_linear.py). Without the CPU kernels (CUDA, no compiler) the loader dequantizes
 K-quant tensors instead (model/gguf/weights.py).
 """
 
@@ -13,12 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmaccel.ops.block_kernels import BlockKernels
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.quantization.formats import PackedWeight
 
 
-class KQuantLinear(nn.Module):
+class KQuantLinear(BlockKernels, nn.Module):
     """y = x W^T (+ b) for W in a K-quant layout ("q4_k", "q5_k", "q6_k"), in x's dtype (float32 sums)."""
+
+    streams = True  # always in the kernels' blocks
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -36,16 +41,20 @@ class KQuantLinear(nn.Module):
     def weight_bytes(self) -> int:
         return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.gemv_kq(x, self.blocks, self.kind, self.out_features)
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.kquant_linear_amx(x, self.blocks, self.kind, self.out_features)
+
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) in float32, the kernel's sums as they come (for logits)."""
-        rows = x.reshape(-1, self.in_features)
-        out = self._kernels.gemv_kq(rows, self.blocks, self.kind, self.out_features)
+        out = self.block_product(x.reshape(-1, self.in_features)).float()
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = self._kernels.gemv_kq(rows, self.blocks, self.kind, self.out_features).to(x.dtype)
+        out = self.block_product(x.reshape(-1, self.in_features)).to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -60,6 +69,26 @@ class ConcatLinear(nn.Module):
         self.bias = bias
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def streams(self) -> bool:
+        """Whether every part is in llmaccel's blocks (INT8, INT4, K-quants), so one batch choice serves all."""
+        return all(getattr(p, "streams", False) for p in self.parts)
+
+    @property
+    def batch_choice(self):
+        return self.parts[0].batch_choice if self.streams else None
+
+    @batch_choice.setter
+    def batch_choice(self, choice) -> None:
+        for part in self.parts:
+            part.batch_choice = choice
+
+    def block_product(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        return torch.cat([p.block_product(x, kernel) for p in self.parts], dim=-1)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
 
     @property
     def weight_bytes(self) -> int:

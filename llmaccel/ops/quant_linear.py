@@ -24,38 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmaccel.ops.block_kernels import BlockKernels
 from llmaccel.ops.gemv import BLOCK, gemv_kernels, pack_int4_blocks, pack_int8_blocks
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, unpack_int4
-
-AMX_KERNEL = "dequant_brgemm"  # the name kernel_choice and the decode stack give csrc/quant_amx.cpp
-
-
-class _BlockKernels:
-    """What Int8Linear and Int4Linear share where llmaccel's blocks hold the weight: the streaming kernel,
-    the AMX kernel where `batch_choice` picks it, and the weight as float32 for checks."""
-
-    batch_choice = None  # a kernel_choice.Bf16Choice over ("stream", AMX_KERNEL), or None: always streaming
-
-    def _stream(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _amx(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def block_product(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
-        """x W^T without the bias: float32 sums by the streaming kernel, bfloat16 by the AMX one (used for
-        2-D bfloat16 x where `kernel`, or else the batch choice for x's rows, names it)."""
-        if kernel is None:
-            choice = self.batch_choice
-            kernel = choice.kernel(x.shape[0]) if choice is not None and x.dim() == 2 else "stream"
-        if kernel == AMX_KERNEL and x.dim() == 2 and x.dtype == torch.bfloat16:
-            return self._amx(x)
-        return self._stream(x)
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight [N, K] in float32, read through the streaming kernel (an identity's rows quantize
-        exactly, so this is the weight the kernel multiplies)."""
-        return self._stream(torch.eye(self.in_features)).t().contiguous()
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +87,7 @@ def _kernel_device(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
-class Int8Linear(_BlockKernels, nn.Module):
+class Int8Linear(BlockKernels, nn.Module):
     """INT8 weights, per output channel or grouped (GGUF Q8_0). The same matrix also serves as a
     quantized embedding table: `rows(ids)` dequantizes only the rows a lookup reads, so a tied
     embedding and LM head share one INT8 copy."""
@@ -219,7 +190,7 @@ class Int8Linear(_BlockKernels, nn.Module):
         return out.to(x.dtype)
 
 
-class Int4Linear(_BlockKernels, nn.Module):
+class Int4Linear(BlockKernels, nn.Module):
     def __init__(self, weight: Int4Weight | PackedWeight, bias: torch.Tensor | None, device: torch.device,
                  use_kernel: bool | None = None) -> None:
         super().__init__()

@@ -41,6 +41,7 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, cons
 bool vnni_available();
 torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale,
                                int64_t n, bool int4);
+torch::Tensor kquant_linear_amx(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t n);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniform);
@@ -105,6 +106,9 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("vnni_available", &vnni_available, "whether the packed bfloat16 kernels (AMX brgemm) run here", nogil);
   m.def("quant_linear_amx", &quant_linear_amx,
         "x @ w.T for bfloat16 x and INT8/INT4 weights in gemv's blocks, dequantized to bf16 for AMX tiles", nogil);
+  m.def("kquant_linear_amx", &kquant_linear_amx,
+        "x @ w.T for bfloat16 x and K-quant weights (Q4_K/Q5_K/Q6_K records), dequantized to bf16 for AMX tiles",
+        nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given", nogil);
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);

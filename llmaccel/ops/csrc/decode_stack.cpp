@@ -45,9 +45,15 @@ struct StackLinear {
       return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p->quantized(); });
     return kind == kInt8 || kind == kInt4 || kind == kKQuant;
   }
-  // INT8/INT4 blocks, which the AMX kernel for quantized weights also reads
-  bool amx_readable() const { return parts.empty() && (kind == kInt8 || kind == kInt4); }
-  // the weights as the AMX kernel for quantized weights reads them (quant_amx.cpp)
+  // INT8/INT4 blocks and K-quant records, which the AMX kernel for quantized weights also reads; a fused
+  // projection where every part does and each starts on a block of 32 columns
+  bool amx_readable() const {
+    if (!parts.empty())
+      return std::all_of(parts.begin(), parts.end(), [](const auto& p) { return p->amx_readable(); }) &&
+             std::all_of(starts.begin(), starts.end(), [](int64_t start) { return start % kVnniBlock == 0; });
+    return kind == kInt8 || kind == kInt4 || kind == kKQuant;
+  }
+  // the weights as the AMX kernel for quantized weights reads them (quant_amx.cpp; not a fused projection)
   QuantizedWeight quantized_weight() const {
     QuantizedWeight w;
     w.blocks = weight.data_ptr<uint8_t>();
@@ -56,7 +62,17 @@ struct StackLinear {
     w.k = k;
     w.n = n;
     w.int4 = kind == kInt4;
+    w.kq_type = kind == kKQuant ? kq_type : 0;
     return w;
+  }
+  // output columns [c0, c1) (multiples of 32, or n) by the AMX kernel, each part its own columns
+  void amx_columns(const uint16_t* xb, int64_t m, c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1) const {
+    if (parts.empty()) return dequant_brgemm_columns(quantized_weight(), xb, k, m, y, ldy, c0, c1);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t start = starts[i], end = start + parts[i]->n;
+      const int64_t lo = std::max(c0, start), hi = std::min(c1, end);
+      if (lo < hi) parts[i]->amx_columns(xb, m, y + start, ldy, lo - start, hi - start);
+    }
   }
 
   // Output columns [c0, c1) of x W^T in float32 for m rows (no bias); x's rows quantized in `a` when
@@ -334,7 +350,7 @@ class DecodeStack {
                 reads_packed(kernel) ? "plain" : "packed", " weights");
     if (kernel == Bf16Kernel::kDequantBrgemm) {
       TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_brgemm' runs bfloat16 stacks only");
-      TORCH_CHECK(all_quantized_, "kernel 'dequant_brgemm' reads INT8 and INT4 weights only");
+      TORCH_CHECK(all_quantized_, "kernel 'dequant_brgemm' reads INT8, INT4 and K-quant weights only");
       TORCH_CHECK(layers_.front().gate_up->n % (2 * kVnniBlock) == 0,  // (every layer has one width)
                   "kernel 'dequant_brgemm' needs gate_up halves of whole blocks of 32");
     }
@@ -410,7 +426,7 @@ class DecodeStack {
                             y, ldy, c0, c1);
       } else if (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm) {
         if constexpr (std::is_same_v<T, at::BFloat16>)  // (checked: a bfloat16 stack)
-          dequant_brgemm_columns(w.quantized_weight(), input.bits, w.k, seqs, y, ldy, c0, c1);
+          w.amx_columns(input.bits, seqs, y, ldy, c0, c1);
       } else if (w.kind == StackLinear::kBf16Vnni) {
         if constexpr (std::is_same_v<T, at::BFloat16>) {  // (a float32 stack takes no packed weights)
           const auto* packed = reinterpret_cast<const uint16_t*>(w.weight.data_ptr<at::BFloat16>());

@@ -146,6 +146,7 @@ struct QuantizedWeight {
   int64_t block_stride = 0;          // INT8: 512 or 544 bytes
   int64_t k = 0, n = 0;
   bool int4 = false;
+  int64_t kq_type = 0;  // a K-quant's GGML type (12 Q4_K, 13 Q5_K, 14 Q6_K) in kquant.cpp's records; 0: INT8/INT4
 };
 void dequant_brgemm_columns(const QuantizedWeight& w, const uint16_t* xb, int64_t ldx, int64_t m,
                             c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);

@@ -11,6 +11,7 @@ from llmaccel.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from llmaccel.engine.request import Request
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
+from tests.test_prefix_caching import _run_counting_tokens
 from tests.tiny_models import hf_greedy
 
 
@@ -113,32 +114,20 @@ def test_whole_blocks_only_without_a_copy_hook_or_with_a_window():
     assert copies == []
 
 
-# ---- through the engine -------------------------------------------------------------------------
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
-    """Generate one prompt step by step; returns its tokens and the tokens the engine computed."""
-    engine = llm.engine
-    engine.add_request(None, prompt, GREEDY)
-    computed, outputs = 0, []
-    while engine.has_unfinished_requests():
-        outputs += engine.step(emit_unfinished=False)
-        computed += engine.last_step.num_tokens
-    return list(outputs[0].outputs[0].token_ids), computed
+# ---- through the engine (greedy, 12 tokens each) --------------------------------------------------
 
 
 def test_a_repeated_prompt_and_the_next_turn_compute_only_their_new_tokens(llama_dir):
     llm = LLM(str(llama_dir), num_kv_blocks=64, block_size=16)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 300) for _ in range(45)]
-    first, computed = _run(llm, prompt)
+    first, computed = _run_counting_tokens(llm, prompt)
     assert computed == 45 + 11
-    again, computed = _run(llm, prompt)
+    again, computed = _run_counting_tokens(llm, prompt)
     assert computed == 1 + 11  # 44 tokens from the cache: blocks 0 1 whole, block 2's first 12 copied
     # the next turn: the whole last exchange (45 + 11 computed tokens: block 3 holds 8), then 5 new tokens
     turn = prompt + first + [rng.randrange(3, 300) for _ in range(5)]
-    nxt, computed = _run(llm, turn)
+    nxt, computed = _run_counting_tokens(llm, turn)
     assert computed == (len(turn) - 56) + 11
     assert first == again == hf_greedy(llama_dir, prompt, 12)
     assert nxt == hf_greedy(llama_dir, turn, 12)

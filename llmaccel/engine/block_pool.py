@@ -120,8 +120,7 @@ class BlockPool:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
             if parent is not None:
-                self.children.setdefault(parent, {})[block_id] = tuple(token_ids)
-                self._parents[block_id] = parent
+                self._index(block_id, parent, token_ids)
             if self.events is not None:
                 self.events.append((True, block_hash))
 
@@ -130,8 +129,12 @@ class BlockPool:
         `parent` once its request frees it (call before freeing)."""
         if self.block_hashes[block_id] is None and token_ids:
             self.block_hashes[block_id] = PARTIAL
-            self.children.setdefault(parent, {})[block_id] = tuple(token_ids)
-            self._parents[block_id] = parent
+            self._index(block_id, parent, token_ids)
+
+    def _index(self, block_id: int, parent: bytes, token_ids: Sequence[int]) -> None:
+        """File the block under its parent's hash with its tokens, for `longest_partial_match`."""
+        self.children.setdefault(parent, {})[block_id] = tuple(token_ids)
+        self._parents[block_id] = parent
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]

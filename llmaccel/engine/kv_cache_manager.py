@@ -103,7 +103,7 @@ class KVCacheManager:
             found.blocks.append(block_id)
         if self.copy_prefix is not None and self.window is None:
             start = len(found.blocks) * self.block_size
-            parent = hashes[len(found.blocks) - 1] if found.blocks else self.root_hash
+            parent = self._parent(hashes, len(found.blocks))
             rest = request.all_token_ids[start:min(last, start + self.block_size)]
             found.partial = self.pool.longest_partial_match(parent, rest) if rest else None
         return found
@@ -176,9 +176,8 @@ class KVCacheManager:
         for index in range(request.num_cached_blocks, num_full):
             position = self.table_index(request, index)
             if position is not None:
-                parent = hashes[index - 1] if index else self.root_hash
                 tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
-                self.pool.cache_block(request.block_ids[position], hashes[index], parent, tokens)
+                self.pool.cache_block(request.block_ids[position], hashes[index], self._parent(hashes, index), tokens)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def table_index(self, request: Request, logical_block: int) -> int | None:
@@ -213,7 +212,7 @@ class KVCacheManager:
         num_full, num_rest = divmod(request.num_computed_tokens, self.block_size)
         if (keep_tail and self.enable_prefix_caching and self.copy_prefix is not None and self.window is None
                 and num_rest and num_full < len(request.block_ids)):
-            parent = self._block_hashes(request, num_full)[-1] if num_full else self.root_hash
+            parent = self._parent(self._block_hashes(request, num_full), num_full)
             tokens = request.all_token_ids[num_full * self.block_size:request.num_computed_tokens]
             self.pool.cache_partial(request.block_ids[num_full], parent, tokens)
         self.pool.free(list(reversed(request.block_ids)))
@@ -226,6 +225,10 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) < count:
             index = len(hashes)
-            parent = hashes[-1] if hashes else self.root_hash
-            hashes.append(block_hash(parent, request.all_token_ids[index * size:(index + 1) * size]))
+            hashes.append(block_hash(self._parent(hashes, index),
+                                     request.all_token_ids[index * size:(index + 1) * size]))
         return hashes[:count]
+
+    def _parent(self, hashes: list[bytes], index: int) -> bytes:
+        """The prefix hash block `index` follows: block index - 1's in `hashes`, or the salt's for the first."""
+        return hashes[index - 1] if index else self.root_hash

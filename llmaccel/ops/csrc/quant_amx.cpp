@@ -51,6 +51,46 @@ inline void store_pairs(const __m512 f[4], uint32_t* first, uint32_t* second) {
   _mm512_storeu_si512(second, _mm512_permutex2var_epi32(a, odd, b));
 }
 
+// One 32-input block's four chunks of 16 rows' nibbles (+ the high bits `high` adds to each lane's code),
+// weight = code * scale + offset with per-row vectors: scale[0], offset[0] for inputs 0-15 (chunks 0, 1) and,
+// where Halves is 2, scale[1], offset[1] for inputs 16-31 (chunks 2, 3); into the pairs of block `b` of half `h`.
+template <int Halves, typename High>
+inline void unpack_codes(const uint8_t* nibbles, const __m512* scale, const __m512* offset, High high, uint32_t* out,
+                         int64_t b, int h) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m512 s[4], o[4];
+  for (int t = 0; t < 4; ++t) {  // chunk t: byte 4 r + j holds inputs 8 t + j (low) and 8 t + 4 + j (high)
+    if (t == 0 || (Halves == 2 && t == 2))
+      for (int q = 0; q < 4; ++q) s[q] = spread(scale[t / 2], q), o[q] = spread(offset[t / 2], q);
+    __m512 lo[4], hi[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 64 * t + 16 * q));
+      const __m128i low = _mm_or_si128(_mm_and_si128(bytes, nibble), high(t, q, 0));
+      const __m128i up = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), high(t, q, 1));
+      lo[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s[q], o[q]);
+      hi[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(up)), s[q], o[q]);
+    }
+    const int64_t pair = 16 * b + 4 * t;
+    store_pairs(lo, out + pair * kVnniBlock + 16 * h, out + (pair + 1) * kVnniBlock + 16 * h);
+    store_pairs(hi, out + (pair + 2) * kVnniBlock + 16 * h, out + (pair + 3) * kVnniBlock + 16 * h);
+  }
+}
+
+struct NoHighBits {  // codes of four bits (INT4, Q4_K): a type of its own, so the call inlines
+  __m128i operator()(int, int, int) const { return _mm_setzero_si128(); }
+};
+
+// Bits (x >> shift) & mask of each byte of the 16 at p, moved up to bit 4 (the code's high bits).
+inline __m128i high_bits(const uint8_t* p, int shift, int mask) {
+  const __m128i bits = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), shift),
+                                     _mm_set1_epi8(static_cast<char>(mask)));
+  return _mm_slli_epi16(bits, 4);  // (at most 0x30: no bit crosses into the next byte)
+}
+
+inline __m512 widen_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // One group of 16 rows (all K) into half `h` of a packed block [K / 2, 32] of bf16 pairs.
 void unpack_int8_group(const uint8_t* group, int64_t nb, int64_t stride, bool scaled, uint32_t* out, int h) {
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
@@ -74,60 +114,12 @@ void unpack_int8_group(const uint8_t* group, int64_t nb, int64_t stride, bool sc
 }
 
 void unpack_int4_group(const uint8_t* group, int64_t nb, uint32_t* out, int h) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * kInt4BlockBytes;
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kScaleAt4)));
     const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kOffsetAt4)));
-    __m512 s[4], o[4];
-    for (int q = 0; q < 4; ++q) s[q] = spread(scale, q), o[q] = spread(offset, q);
-    for (int t = 0; t < 4; ++t) {  // chunk t: byte 4 r + j holds inputs 8 t + j (low) and 8 t + 4 + j (high)
-      __m512 lo[4], hi[4];
-      for (int q = 0; q < 4; ++q) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * t + 16 * q));
-        lo[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble))), s[q], o[q]);
-        hi[q] = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))), s[q], o[q]);
-      }
-      const int64_t pair = 16 * b + 4 * t;
-      store_pairs(lo, out + pair * kVnniBlock + 16 * h, out + (pair + 1) * kVnniBlock + 16 * h);
-      store_pairs(hi, out + (pair + 2) * kVnniBlock + 16 * h, out + (pair + 3) * kVnniBlock + 16 * h);
-    }
+    unpack_codes<1>(block, &scale, &offset, NoHighBits{}, out, b, h);
   }
-}
-
-// One 32-input block's four chunks of 16 rows' nibbles (+ the high bits `high` adds to each lane's code),
-// weight = code * scale + offset (per-row vectors), into the pairs of block `b` of half `h`.
-template <typename High>
-inline void unpack_codes(const uint8_t* nibbles, __m512 scale, __m512 offset, High high, uint32_t* out, int64_t b,
-                         int h) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m512 s[4], o[4];
-  for (int q = 0; q < 4; ++q) s[q] = spread(scale, q), o[q] = spread(offset, q);
-  for (int t = 0; t < 4; ++t) {  // chunk t: byte 4 r + j holds inputs 8 t + j (low) and 8 t + 4 + j (high)
-    __m512 lo[4], hi[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 64 * t + 16 * q));
-      const __m128i low = _mm_or_si128(_mm_and_si128(bytes, nibble), high(t, q, 0));
-      const __m128i up = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), high(t, q, 1));
-      lo[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s[q], o[q]);
-      hi[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(up)), s[q], o[q]);
-    }
-    const int64_t pair = 16 * b + 4 * t;
-    store_pairs(lo, out + pair * kVnniBlock + 16 * h, out + (pair + 1) * kVnniBlock + 16 * h);
-    store_pairs(hi, out + (pair + 2) * kVnniBlock + 16 * h, out + (pair + 3) * kVnniBlock + 16 * h);
-  }
-}
-
-// Bits (x >> shift) & mask of each byte of the 16 at p, moved up to bit 4 (the code's high bits).
-inline __m128i high_bits(const uint8_t* p, int shift, int mask) {
-  const __m128i bits = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), shift),
-                                     _mm_set1_epi8(static_cast<char>(mask)));
-  return _mm_slli_epi16(bits, 4);  // (at most 0x30: no bit crosses into the next byte)
-}
-
-inline __m512 widen_u8(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // One group of 16 rows of a K-quant (kquant.cpp's records: per 256 inputs 8 blocks of codes, then the scales and
@@ -142,42 +134,29 @@ void unpack_kq_group(const uint8_t* group, int64_t supers, uint32_t* out, int h)
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 256)));
     for (int64_t b = 0; b < 8; ++b) {
       const uint8_t* block = record + b * kBlockBytes;
-      if constexpr (Kind == 14) {  // two sub-blocks of 16: chunks 0, 1 are inputs 0-15, chunks 2, 3 16-31
-        __m512 scale[2];
-        for (int half = 0; half < 2; ++half)
+      if constexpr (Kind == 14) {  // two sub-blocks of 16, w = d sc (code - 32), code 0..63: the low nibble and
+        // two bits of the pair bytes of chunks 0, 1 (then 2, 3), at 4 (t % 2) for the low input, + 2 for the high
+        __m512 scale[2], offset[2];
+        for (int half = 0; half < 2; ++half) {
           scale[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * (2 * b + half))))));
-        // codes 0..63: the low nibble and two bits of the pair bytes of chunks 0, 1 (then 2, 3), bits 4 (t % 2) for
-        // the low input and 4 (t % 2) + 2 for the high; w = scale code - 32 scale
-        const __m128i nibble = _mm_set1_epi8(0x0F);
-        for (int t = 0; t < 4; ++t) {
-          const int half = t / 2;
-          __m512 s[4], o[4], lo[4], hi[4];
-          for (int q = 0; q < 4; ++q) {
-            s[q] = spread(scale[half], q);
-            o[q] = _mm512_mul_ps(s[q], _mm512_set1_ps(-32.0f));
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * t + 16 * q));
-            const uint8_t* pairs = block + 256 + 64 * half + 16 * q;
-            const __m128i low = _mm_or_si128(_mm_and_si128(bytes, nibble), high_bits(pairs, 4 * (t % 2), 3));
-            const __m128i up = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
-                                            high_bits(pairs, 4 * (t % 2) + 2, 3));
-            lo[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s[q], o[q]);
-            hi[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(up)), s[q], o[q]);
-          }
-          const int64_t pair = 16 * (8 * sb + b) + 4 * t;
-          store_pairs(lo, out + pair * kVnniBlock + 16 * h, out + (pair + 1) * kVnniBlock + 16 * h);
-          store_pairs(hi, out + (pair + 2) * kVnniBlock + 16 * h, out + (pair + 3) * kVnniBlock + 16 * h);
+          offset[half] = _mm512_mul_ps(scale[half], _mm512_set1_ps(-32.0f));
         }
+        unpack_codes<2>(block, scale, offset,
+                        [&](int t, int q, int up) {
+                          return high_bits(block + 256 + 64 * (t / 2) + 16 * q, 4 * (t % 2) + 2 * up, 3);
+                        },
+                        out, 8 * sb + b, h);
       } else {
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 288)));
         const __m512 scale = _mm512_mul_ps(d, widen_u8(scales + 16 * b));
         const __m512 offset = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, widen_u8(scales + 128 + 16 * b)));
         if constexpr (Kind == 12) {
-          unpack_codes(block, scale, offset, [](int, int, int) { return _mm_setzero_si128(); }, out, 8 * sb + b, h);
+          unpack_codes<1>(block, &scale, &offset, NoHighBits{}, out, 8 * sb + b, h);
         } else {  // Q5_K: the fifth bit of input 8 t + j (low) at bit 2 t, of 8 t + 4 + j (high) at 2 t + 1
-          unpack_codes(block, scale, offset,
-                       [&](int t, int q, int up) { return high_bits(block + 256 + 16 * q, 2 * t + up, 1); }, out,
-                       8 * sb + b, h);
+          unpack_codes<1>(block, &scale, &offset,
+                          [&](int t, int q, int up) { return high_bits(block + 256 + 16 * q, 2 * t + up, 1); }, out,
+                          8 * sb + b, h);
         }
       }
     }

@@ -119,10 +119,10 @@ def test_quantized_bfloat16_batches_take_the_stack_to_the_bit_on_amx(tiny_model_
     """INT8/INT4 weights dequantized a block at a time for AMX tiles: the stack and the layer path alike."""
     if "brgemm" not in candidates():
         pytest.skip("no AMX kernels on this CPU")
-    monkeypatch.setenv(QUANT_FORCE_ENV, "dequant_brgemm")
+    monkeypatch.setenv(QUANT_FORCE_ENV, "dequant_amx")
     llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    assert model.decode_stack.choice.kernel(3) == "dequant_brgemm" == model.layers[1].mlp.down.batch_choice.kernel(3)
+    assert model.decode_stack.choice.kernel(3) == "dequant_amx" == model.layers[1].mlp.down.batch_choice.kernel(3)
     _stack_against_layers(llm, _prompts(), tokens=24)
 
 
@@ -146,8 +146,8 @@ def test_a_kernel_that_does_not_read_the_stacks_weights_is_refused_by_name(tiny_
         step(packed, "stream")
     with pytest.raises(RuntimeError, match="bfloat16 kernel 'brgemm' does not read this stack's plain weights"):
         step(plain, "brgemm")
-    with pytest.raises(RuntimeError, match="kernel 'dequant_brgemm' reads INT8, INT4 and K-quant weights only"):
-        step(plain, "dequant_brgemm")
+    with pytest.raises(RuntimeError, match="kernel 'dequant_amx' reads INT8, INT4 and K-quant weights only"):
+        step(plain, "dequant_amx")
     step(packed, "brgemm")
     step(plain, "stream")  # and each with its own kind, well formed, runs
 

@@ -17,6 +17,7 @@ from llmaccel.llm import LLM
 from llmaccel.model.gguf import quants
 from llmaccel.model.loader import hf_dir_for
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.gemv import pack_int8_blocks
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_gguf import make_llama256, write_gguf
 from tests.tiny_models import hf_greedy
@@ -218,26 +219,54 @@ def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(ll
 
 
 needs_amx = pytest.mark.skipif(
-    kernels is None or not hasattr(kernels, "vnni_available") or not kernels.vnni_available(),
+    kernels is None or not hasattr(kernels, "quant_amx_available") or not kernels.quant_amx_available(),
     reason="no AMX kernels on this CPU")
 
 
+def _amx_product(blocks: torch.Tensor, qtype: Q, x: torch.Tensor, n: int) -> torch.Tensor:
+    if qtype in K_TYPES:
+        return kernels.kquant_linear_amx(x, blocks, int(qtype), n)
+    return kernels.quant_linear_amx(x, blocks, None, n, qtype != Q.Q8_0)
+
+
 @needs_amx
-@pytest.mark.parametrize("qtype", K_TYPES)
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
-def test_the_amx_kernel_reads_k_quants_as_the_file_holds_them(qtype, rows):
-    """Random K-quant bytes (every scale, min and high bit) dequantized a block at a time for AMX tiles: the
-    float64 product with the file's own weights, each weight rounded once to bfloat16 and the sum once."""
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize(("rows", "k"), [(1, 512), (5, 512), (64, 512), (300, 512), (150, 8192)])
+def test_the_amx_kernel_reads_each_block_format_as_the_file_holds_it(qtype, rows, k):
+    """Random K-quant bytes (every scale, min and high bit), Q8_0 and Q4_0/Q4_1 blocks dequantized a block at a time
+    into AMX tiles: the float64 product with the file's own weights, each weight rounded once to bfloat16 and the
+    sum once; 72 outputs (the last group of 16 half full), rows in passes of 64 (the last one part full) and, at
+    8,192 inputs, in chunks of 64 rows (x's tiles kept to 1 MB), each chunk's group tiles dequantized again."""
     rng = np.random.default_rng(11)
-    n, k = 72, 512  # 4.5 groups of 16: the last block of 32 columns has one group, its other half zeros
-    raw = torch.from_numpy(np.ascontiguousarray(_random_k_blocks(qtype, n, rng)))
+    n = 72
+    raw = (_random_k_blocks(qtype, n * k // 512, rng).reshape(n, -1) if qtype in K_TYPES
+           else _encode(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    raw = torch.from_numpy(np.ascontiguousarray(raw))
     weight = quants.dequantize(raw, int(qtype), k).double()
     blocks = kernels.gguf_repack(raw, int(qtype), torch.arange(n), k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    got = kernels.kquant_linear_amx(x, blocks, int(qtype), n)
+    got = _amx_product(blocks, qtype, x, n)
     want = x.double() @ weight.T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     bound = 2**-9 * (x.double().abs() @ weight.abs().T) + 2**-9 * want.abs() + 1e-6 * k
+    assert ((got.double() - want).abs() <= bound).all()
+    for i in (0, rows - 1):  # a row's result does not depend on the rows beside it or on its place in a pass
+        assert torch.equal(_amx_product(blocks, qtype, x[i:i + 1], n)[0], got[i])
+
+
+@needs_amx
+def test_the_amx_kernel_applies_int8_row_scales_to_the_sums():
+    """INT8 with one scale a row (llmaccel's own int8 quantization): the integers go into the tiles as they are
+    (exact in bfloat16) and the row scale multiplies the float32 sums, so the result is the scaled bf16 product."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 256
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    blocks, row_scale = pack_int8_blocks(q, scale)
+    x = torch.randn(37, k, generator=gen).to(torch.bfloat16)
+    want = (x.double() @ q.double().T) * scale.double()
+    got = kernels.quant_linear_amx(x, blocks, row_scale, n, False)
+    bound = 2**-8 * want.abs() + 1e-6 * (x.double().abs() @ q.double().abs().T) * scale.double()
     assert ((got.double() - want).abs() <= bound).all()
 
 
@@ -250,7 +279,7 @@ def test_the_decode_stack_runs_k_quants_and_mixed_projections_as_the_layers_do(l
 
 
 @needs_amx
-@pytest.mark.parametrize("kernel", ["stream", "dequant_brgemm"])
+@pytest.mark.parametrize("kernel", ["stream", "dequant_amx"])
 def test_a_bfloat16_stack_takes_k_quants_and_fused_parts_to_amx_as_the_layers_do(llama256, tmp_path, tiny_tokenizer,
                                                                                    kernel, monkeypatch):
     """Q4_K q/k beside a Q6_K v in one fused projection, Q5_K and Q6_K in the MLP: with every quantized

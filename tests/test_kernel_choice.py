@@ -256,7 +256,7 @@ def test_the_quantized_timing_is_cached_and_names_its_kernels(tmp_path, monkeypa
     with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):
         choice, head_choice = kernel_choice.tune_quantized(layers, head)
     assert "quantized kernels timed in" in caplog.text
-    assert {k for _, k in choice.buckets + head_choice.buckets} <= {"stream", "dequant_brgemm"}
+    assert {k for _, k in choice.buckets + head_choice.buckets} <= {"stream", "dequant_amx"}
     assert [r for r, _ in choice.buckets] == list(kernel_choice.LAYER_BUCKETS)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llmaccel.ops.kernel_choice"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-AMX_KERNEL = "dequant_brgemm"  # the name kernel_choice and the decode stack give csrc/quant_amx.cpp
+AMX_KERNEL = "dequant_amx"  # the name kernel_choice and the decode stack give csrc/quant_amx.cpp
 
 
 class BlockKernels:

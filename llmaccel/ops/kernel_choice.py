@@ -42,7 +42,7 @@ from llmaccel.platform import cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
 FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # one kernel at every row count, in its layout (tests, A/B runs)
-QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: stream or dequant_brgemm
+QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: stream or dequant_amx
 LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
 HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
 STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads every row in float32)
@@ -306,7 +306,7 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
     modules in llmaccel's blocks in a bfloat16 model (a layer's projections, or none; the head or None):
     from the cache, or timed now. (None, None) where this machine has no AMX kernel."""
     kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "vnni_available") or not kernels.vnni_available():
+    if kernels is None or not hasattr(kernels, "quant_amx_available") or not kernels.quant_amx_available():
         return None, None
     from llmaccel.ops.block_kernels import AMX_KERNEL
 

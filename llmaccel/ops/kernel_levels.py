@@ -5,8 +5,9 @@ level the CPU's flags allow. The levels are the x86-64 psABI's (x86-64-v3: AVX2,
 x86-64-v4: AVX-512 F/BW/CD/DQ/VL), which name exactly what the compiler may emit, so a level never
 runs an instruction its CPU lacks, plus v4 with AVX512-VNNI and AVX512-BF16 (AMD Zen 4/5, Intel Cooper
 Lake and later). The sources' `#if defined(__AVX512BF16__)`-style guards pick their code paths per level.
-AMX has no level of its own: llmaccel reaches it through oneDNN's brgemm, which dispatches at run time,
-and no source uses AMX intrinsics, so an AMX build would be the avx512_bf16 build again.
+AMX has no level of its own: the avx512_bf16 build also compiles csrc/quant_amx.cpp's AMX tile code
+(-mamx-tile -mamx-bf16), which runs only where the CPU has AMX (a compiler never emits AMX unasked), and the
+bf16 kernels reach AMX through oneDNN's brgemm, which dispatches at run time.
 
 Only the standard library here: setup.py reads this file before anything is installed.
 """
@@ -21,7 +22,7 @@ CSRC = Path(__file__).parent / "csrc"
 # Flags every build takes, the JIT fallback's included; -fno-finite-math-only keeps inf and NaN
 # meaningful (masked attention scores are -inf) under -ffast-math.
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
-BUILD_FLAGS_VERSION = "levels-1"  # part of the digest: a change of flags rebuilds
+BUILD_FLAGS_VERSION = "levels-2"  # part of the digest: a change of flags rebuilds
 
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -41,7 +42,7 @@ class KernelLevel:
 
 
 LEVELS = (  # best first
-    KernelLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+    KernelLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                 _V4 | {"avx512_vnni", "avx512_bf16"}),
     KernelLevel("avx512", ("-march=x86-64-v4",), _V4),
     KernelLevel("avx2", ("-march=x86-64-v3",), _V3),

@@ -39,6 +39,7 @@ bool gemm_bf16_available();
 torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel);
 bool vnni_available();
+bool quant_amx_available();
 torch::Tensor quant_linear_amx(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> row_scale,
                                int64_t n, bool int4);
 torch::Tensor kquant_linear_amx(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t n);
@@ -104,6 +105,8 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("linear_vnni", &linear_vnni, "x @ w.T for bfloat16 weights packed by pack_vnni: vnni_stream or brgemm",
         nogil);
   m.def("vnni_available", &vnni_available, "whether the packed bfloat16 kernels (AMX brgemm) run here", nogil);
+  m.def("quant_amx_available", &quant_amx_available,
+        "whether the AMX kernel for INT8/INT4/K-quant weights runs here (an AMX build and CPU)", nogil);
   m.def("quant_linear_amx", &quant_linear_amx,
         "x @ w.T for bfloat16 x and INT8/INT4 weights in gemv's blocks, dequantized to bf16 for AMX tiles", nogil);
   m.def("kquant_linear_amx", &kquant_linear_amx,

@@ -67,7 +67,7 @@ struct StackLinear {
   }
   // output columns [c0, c1) (multiples of 32, or n) by the AMX kernel, each part its own columns
   void amx_columns(const uint16_t* xb, int64_t m, c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1) const {
-    if (parts.empty()) return dequant_brgemm_columns(quantized_weight(), xb, k, m, y, ldy, c0, c1);
+    if (parts.empty()) return amx_quant_columns(quantized_weight(), xb, k, m, y, ldy, c0, c1);
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t start = starts[i], end = start + parts[i]->n;
       const int64_t lo = std::max(c0, start), hi = std::min(c1, end);
@@ -210,17 +210,17 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
 // parallel region, by the streaming kernel (few rows) or the AVX512-BF16 GEMM, or each by oneDNN
 // between the region's phases. Packed (VNNI) weights: inside the region, streamed (few rows) or by
 // oneDNN's brgemm micro-kernel (AMX). ops/kernel_choice.py times them and picks per row count.
-// INT8/INT4 weights stream (kStream) or, in a bfloat16 stack, are dequantized a block at a time for
-// brgemm (kDequantBrgemm, quant_amx.cpp).
-enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm, kDequantBrgemm };
+// INT8/INT4/K-quant weights stream (kStream) or, in a bfloat16 stack, are dequantized a block at a time for
+// AMX tiles (kDequantAmx, quant_amx.cpp).
+enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm, kDequantAmx };
 
 bool reads_packed(Bf16Kernel kernel) { return kernel == Bf16Kernel::kVnniStream || kernel == Bf16Kernel::kBrgemm; }
-bool uses_amx(Bf16Kernel kernel) { return kernel == Bf16Kernel::kBrgemm || kernel == Bf16Kernel::kDequantBrgemm; }
+bool uses_amx(Bf16Kernel kernel) { return kernel == Bf16Kernel::kBrgemm || kernel == Bf16Kernel::kDequantAmx; }
 
 // The columns a thread's share of a projection is counted in: a block of 32 where the kernel works in
 // AMX blocks, else a panel (or group) of 16.
 int64_t share_unit(const StackLinear& w, Bf16Kernel kernel) {
-  const bool blocks = w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm);
+  const bool blocks = w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx);
   return blocks ? kVnniBlock : kPanel;
 }
 
@@ -230,13 +230,16 @@ Bf16Kernel parse_bf16_kernel(const std::string& name) {
     TORCH_CHECK(bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
     return Bf16Kernel::kGemm;
   }
-  if (name == "vnni_stream" || name == "brgemm" || name == "dequant_brgemm") {
+  if (name == "dequant_amx") {
+    TORCH_CHECK(quant_amx_compiled(), "the AMX kernel for quantized weights is not available on this CPU or build");
+    return Bf16Kernel::kDequantAmx;
+  }
+  if (name == "vnni_stream" || name == "brgemm") {
     TORCH_CHECK(vnni_compiled(), "the AMX kernels are not available on this CPU");
-    return name == "brgemm" ? Bf16Kernel::kBrgemm
-                            : name == "vnni_stream" ? Bf16Kernel::kVnniStream : Bf16Kernel::kDequantBrgemm;
+    return name == "brgemm" ? Bf16Kernel::kBrgemm : Bf16Kernel::kVnniStream;
   }
   TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name,
-              "' (stream, gemm, onednn, vnni_stream, brgemm or dequant_brgemm)");
+              "' (stream, gemm, onednn, vnni_stream, brgemm or dequant_amx)");
   return Bf16Kernel::kOneDnn;
 }
 
@@ -253,7 +256,7 @@ struct ProjectionInput {
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
-      if (w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm)) {
+      if (w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx)) {
         // the packed kernels and the dequantizing one read the rows as they are
         bits = reinterpret_cast<const uint16_t*>(x);
         return;
@@ -348,11 +351,11 @@ class DecodeStack {
     TORCH_CHECK(!(has_packed_ && !reads_packed(kernel)) && !(has_plain_bf16_ && reads_packed(kernel)),
                 "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
                 reads_packed(kernel) ? "plain" : "packed", " weights");
-    if (kernel == Bf16Kernel::kDequantBrgemm) {
-      TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_brgemm' runs bfloat16 stacks only");
-      TORCH_CHECK(all_quantized_, "kernel 'dequant_brgemm' reads INT8, INT4 and K-quant weights only");
+    if (kernel == Bf16Kernel::kDequantAmx) {
+      TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_amx' runs bfloat16 stacks only");
+      TORCH_CHECK(all_quantized_, "kernel 'dequant_amx' reads INT8, INT4 and K-quant weights only");
       TORCH_CHECK(layers_.front().gate_up->n % (2 * kVnniBlock) == 0,  // (every layer has one width)
-                  "kernel 'dequant_brgemm' needs gate_up halves of whole blocks of 32");
+                  "kernel 'dequant_amx' needs gate_up halves of whole blocks of 32");
     }
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
@@ -424,7 +427,7 @@ class DecodeStack {
         if constexpr (std::is_same_v<T, at::BFloat16>)
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
-      } else if (w.amx_readable() && kernel == Bf16Kernel::kDequantBrgemm) {
+      } else if (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx) {
         if constexpr (std::is_same_v<T, at::BFloat16>)  // (checked: a bfloat16 stack)
           w.amx_columns(input.bits, seqs, y, ldy, c0, c1);
       } else if (w.kind == StackLinear::kBf16Vnni) {

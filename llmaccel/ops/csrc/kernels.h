@@ -136,10 +136,10 @@ void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const 
 constexpr int64_t kBrgemmChunkRows = 256;
 void check_vnni(const at::Tensor& packed, int64_t n);
 
-// INT8 or INT4 weights in the streaming kernels' blocks (gemv.cpp, gemv_int4.cpp), as quant_amx.cpp
-// reads them: columns [c0, c1) of y = x W^T for m rows of bfloat16 bits xb, rounded to bfloat16, each
-// block of 32 columns dequantized to bf16 pairs and multiplied by brgemm (c0 a multiple of 32; the
-// thread calls vnni_release() before it leaves its parallel region).
+// INT8, INT4 or K-quant weights in the streaming kernels' blocks (gemv.cpp, gemv_int4.cpp, kquant.cpp), as
+// quant_amx.cpp reads them: columns [c0, c1) of y = x W^T for m rows of bfloat16 bits xb, rounded to bfloat16,
+// each group of 16 columns dequantized a block at a time into AMX tiles (c0 a multiple of 16; the call gives the
+// tiles back before it returns). quant_amx_compiled(): built with AMX, on an AMX CPU, the tile state granted.
 struct QuantizedWeight {
   const uint8_t* blocks = nullptr;
   const float* row_scale = nullptr;  // INT8 with a scale per row; null: scales inside the blocks
@@ -148,8 +148,9 @@ struct QuantizedWeight {
   bool int4 = false;
   int64_t kq_type = 0;  // a K-quant's GGML type (12 Q4_K, 13 Q5_K, 14 Q6_K) in kquant.cpp's records; 0: INT8/INT4
 };
-void dequant_brgemm_columns(const QuantizedWeight& w, const uint16_t* xb, int64_t ldx, int64_t m,
-                            c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
+void amx_quant_columns(const QuantizedWeight& w, const uint16_t* xb, int64_t ldx, int64_t m, c10::BFloat16* y,
+                       int64_t ldy, int64_t c0, int64_t c1);
+bool quant_amx_compiled();
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) {

@@ -7,8 +7,9 @@ size keeps a request's tokens independent of what it is batched with. Otherwise 
 own weight-only kernels, `torch._weight_int8pack_mm` and, for INT4, `torch._weight_int4pack_mm_for_cpu` on the CPU or
 `torch._weight_int4pack_mm` (tinygemm) on CUDA.
 In a bfloat16 model on an AMX CPU, llmaccel's blocks are also read by an AMX kernel at batches
-(csrc/quant_amx.cpp: each block of 32 inputs of 16 columns dequantized to bf16 into an AMX tile): `batch_choice` names the
-kernel per row count, timed at load (ops/kernel_choice.tune_quantized); None: the streaming kernel always.
+(csrc/quant_amx.cpp: each block of 32 inputs of 16 columns dequantized to bf16 into an AMX tile):
+`batch_choice` names the kernel per row count, timed at load (ops/kernel_choice.tune_quantized); None: the
+streaming kernel always.
 All of torch's want bfloat16 activations: the input is cast to bf16 around the call and the result back
 (measured on this CPU: fast with bf16, ~20x slower with float32). Each kernel is checked once per
 device type against a dequantized reference; where one is missing or fails, the fallback dequantizes

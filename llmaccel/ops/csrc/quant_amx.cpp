@@ -203,9 +203,11 @@ int64_t unpack_unit(const QuantizedWeight& w, const uint8_t* group, int64_t unit
   return 1;
 }
 
+// Bytes of one unit of a group (unpack_unit's): a K-quant record of 256 inputs or a block of 32.
+int64_t unit_bytes(const QuantizedWeight& w) { return w.kq_type || !w.int4 ? w.block_stride : kInt4BlockBytes; }
+
 const uint8_t* group_blocks(const QuantizedWeight& w, int64_t g) {
-  if (w.kq_type) return w.blocks + g * (w.k / 256) * w.block_stride;
-  return w.blocks + g * (w.k / kBlock) * (w.int4 ? kInt4BlockBytes : w.block_stride);
+  return w.blocks + g * (w.k / (w.kq_type ? 256 : kBlock)) * unit_bytes(w);
 }
 
 // C tiles 0 .. R-1 += R tiles of x (A, alternately tiles 4 and 6) times the B tile in tile 5.
@@ -227,19 +229,28 @@ inline void multiply(const uint16_t* xa, int64_t row_tile_words) {
   }
 }
 
-// Up to 64 rows (R row tiles of `xt`, laid out by tile_rows) against one group: its B tiles dequantized into
-// `panel` as they are first used (`unpack`) or read back from it; the float32 sums into c [16 R rows][16].
+// How a pass gets its B tiles: dequantized into the group's panel for the passes after it (Fill), read back from
+// the panel (Reuse), or dequantized into two slots of a unit that stay in L1 (Ring, the only pass of a group: at
+// 2,048 inputs a panel is 64 KB, past L1, and a tile load waiting on stores that missed L1 stalled the tiles).
+enum class Tiles { kFill, kReuse, kRing };
+constexpr int64_t kRingWords = 2 * 8 * kTileWords;  // two units of up to 8 tiles (a K-quant super-block)
+
+// Up to 64 rows (R row tiles of `xt`, laid out by tile_rows) against one group, its B tiles as `tiles` says;
+// the float32 sums into c [16 R rows][16].
 template <int R>
-void pass(const QuantizedWeight& w, const uint8_t* group, const uint16_t* xt, bool unpack, uint32_t* panel, float* c) {
+void pass(const QuantizedWeight& w, const uint8_t* group, const uint16_t* xt, Tiles tiles, uint32_t* panel,
+          uint32_t* ring, float* c) {
   const int64_t nb = w.k / kBlock, row_tile_words = nb * kXTileWords;
   _tile_zero(0);
   if constexpr (R > 1) _tile_zero(1);
   if constexpr (R > 2) _tile_zero(2);
   if constexpr (R > 3) _tile_zero(3);
   for (int64_t b = 0, unit = 0; b < nb; ++unit) {
-    const int64_t blocks = unpack ? unpack_unit(w, group, unit, panel + b * kTileWords) : nb;
-    for (const int64_t end = b + blocks; b < end; ++b) {
-      _tile_loadd(5, panel + b * kTileWords, 64);
+    uint32_t* dst = tiles == Tiles::kRing ? ring + (unit & 1) * (kRingWords / 2) : panel + b * kTileWords;
+    if (tiles != Tiles::kReuse) prefetch_ahead(group + unit * unit_bytes(w), unit_bytes(w));  // (kernels.h: why)
+    const int64_t blocks = tiles == Tiles::kReuse ? nb : unpack_unit(w, group, unit, dst);
+    for (int64_t i = 0; i < blocks; ++i, ++b) {
+      _tile_loadd(5, dst + i * kTileWords, 64);
       multiply<R>(xt + b * kXTileWords, row_tile_words);
     }
   }
@@ -280,6 +291,7 @@ LLMACCEL_ONE_COPY void amx_quant_columns(const QuantizedWeight& w, const uint16_
   const int64_t chunk = std::max(kPassRows, kChunkBytes / (2 * w.k) / kPassRows * kPassRows);
   uint16_t* xt = reinterpret_cast<uint16_t*>(aligned_buffer<0>((std::min(m, chunk) + 15) / 16 * 16 * w.k / 2));
   uint32_t* panel = aligned_buffer<1>(nb * kTileWords);
+  uint32_t* ring = aligned_buffer<2>(kRingWords);
   alignas(64) float c[kPassRows * 16];
   load_tile_config();
   for (int64_t r0 = 0; r0 < m; r0 += chunk) {
@@ -292,11 +304,12 @@ LLMACCEL_ONE_COPY void amx_quant_columns(const QuantizedWeight& w, const uint16_
       const __m512 scale = w.row_scale ? _mm512_maskz_loadu_ps(mask, w.row_scale + 16 * g) : _mm512_set1_ps(1.0f);
       for (int64_t p = 0; p < rows; p += kPassRows) {
         const uint16_t* xa = xt + p / 16 * nb * kXTileWords;
+        const Tiles tiles = rows <= kPassRows ? Tiles::kRing : p == 0 ? Tiles::kFill : Tiles::kReuse;
         switch (std::min<int64_t>(4, (rows - p + 15) / 16)) {
-          case 1: pass<1>(w, group, xa, p == 0, panel, c); break;
-          case 2: pass<2>(w, group, xa, p == 0, panel, c); break;
-          case 3: pass<3>(w, group, xa, p == 0, panel, c); break;
-          default: pass<4>(w, group, xa, p == 0, panel, c); break;
+          case 1: pass<1>(w, group, xa, tiles, panel, ring, c); break;
+          case 2: pass<2>(w, group, xa, tiles, panel, ring, c); break;
+          case 3: pass<3>(w, group, xa, tiles, panel, ring, c); break;
+          default: pass<4>(w, group, xa, tiles, panel, ring, c); break;
         }
         for (int64_t r = 0; r < std::min(kPassRows, rows - p); ++r) {
           __m512 sums = _mm512_load_ps(c + r * 16);

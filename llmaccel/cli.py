@@ -85,6 +85,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("cascade", "cascade", "a small/large cascade at every confidence threshold: compute per request against "
      "agreement with the large model's answers and its judgement of them; a plot and a recommended point",
      "add_arguments", "run"),
+    ("cascade-served", "cascade_served", "a cascade as served (`serve --cascade-small`) against the large model "
+     "served alone, prompts alternating between them: share routed, latency by route, identical answers",
+     "add_arguments", "run"),
     ("student", "student", "a distilled student against its teacher in one process: tokens/s at batch 1 and a "
      "batch in alternating rounds, weight memory, and how often their greedy answers agree", "add_arguments", "run"),
     ("spec", "speculative", "speculative decoding (draft models, ngram) against plain decoding in one process: "

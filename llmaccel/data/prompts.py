@@ -1,9 +1,9 @@
 """Prompt sources every part of llmaccel reads: the 200 built-in chat prompts (English and Chinese, with
 realistic answer lengths) shipped in the package, and ShareGPT files. The benchmarks, the quantizer's
 calibration and quality watch, the safety sets and distillation all take them from here.
-The built-in set (chat_prompts.jsonl) was written once by tools/make_prompts.py (in git before commit 82db711's
-successor): each prompt's target length drawn once, seeded, from a log-normal spread (most answers short, a tail to
-512 tokens, as in chat traffic); it is data now, changed by editing the file.
+The built-in set (chat_prompts.jsonl) was written once by tools/make_prompts.py, deleted since (`git show
+fd29730^:tools/make_prompts.py`): each prompt's target length drawn once, seeded, from a log-normal spread (most
+answers short, a tail to 512 tokens, as in chat traffic); it is data now, changed by editing the file.
 """
 
 from __future__ import annotations

@@ -127,10 +127,6 @@ void vnni_brgemm_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k, 
                          c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
 void vnni_release();
 bool vnni_compiled();
-// Rows [r0, r1) of x against one packed block of `width` <= 32 columns (output columns c..), by brgemm,
-// the float32 sums times scale[0 .. width) where a scale is given, rounded to bfloat16 into y.
-void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* block, int64_t k,
-                 int64_t width, const float* scale, c10::BFloat16* y, int64_t ldy, int64_t c);
 // Rows a brgemm kernel takes through every block of its columns while they sit in L2 (at 1,024 rows,
 // 0.77x the time of one pass over all rows, measured on a 2-core Xeon).
 constexpr int64_t kBrgemmChunkRows = 256;

@@ -34,15 +34,6 @@ inline void store_rounded(bf16* out, __m512 sums, int64_t count) {
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
-// store_rounded of the sums times the outputs' own scales (16 of them from `scale`), or as they are.
-inline void store_scaled(bf16* out, __m512 sums, const float* scale, int64_t count) {
-  if (scale != nullptr) {
-    const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
-    sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, scale));
-  }
-  store_rounded(out, sums, count);
-}
-
 // Columns [c, c + width) (width <= 32, one block) of G rows i0.. against the block `b` [K / 2, 32, 2].
 // Four accumulators a row (even and odd pairs apart, so two dependency chains of vdpbf16ps run per
 // 16 columns), summed once at the end: every G gives a row the same result.
@@ -107,8 +98,8 @@ LLMACCEL_ONE_COPY void vnni_stream_columns(const uint16_t* xb, int64_t ldx, int6
 // call of 32 rows cost 1.3x as much at 64 rows, measured on a 2-core Xeon). The float32 sums land in a
 // tile-sized buffer and are rounded into y from L1 (a sums array of the whole output rounded afterwards
 // made the LM head at 256 rows 3.8x slower: 50 MB more traffic).
-void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* block, int64_t k,
-                 int64_t width, const float* scale, bf16* y, int64_t ldy, int64_t c) {
+static void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* block, int64_t k,
+                        int64_t width, bf16* y, int64_t ldy, int64_t c) {
   constexpr int64_t kCallRows = 128;
   alignas(64) float sums[kCallRows * kVnniBlock];
   const auto* a = reinterpret_cast<const at::BFloat16*>(xb);
@@ -118,10 +109,8 @@ void brgemm_rows(const uint16_t* xb, int64_t ldx, int64_t r0, int64_t r1, const 
     at::native::cpublas::brgemm(rows, width, k, ldx, kVnniBlock, kVnniBlock, false, a + i * ldx, b, sums);
     for (int64_t r = 0; r < rows; ++r) {
       bf16* out = y + (i + r) * ldy + c;
-      store_scaled(out, _mm512_loadu_ps(sums + r * kVnniBlock), scale, std::min<int64_t>(width, 16));
-      if (width > 16)
-        store_scaled(out + 16, _mm512_loadu_ps(sums + r * kVnniBlock + 16), scale ? scale + 16 : nullptr,
-                     width - 16);
+      store_rounded(out, _mm512_loadu_ps(sums + r * kVnniBlock), std::min<int64_t>(width, 16));
+      if (width > 16) store_rounded(out + 16, _mm512_loadu_ps(sums + r * kVnniBlock + 16), width - 16);
     }
   }
 }
@@ -132,7 +121,7 @@ LLMACCEL_ONE_COPY void vnni_brgemm_columns(const uint16_t* xb, int64_t ldx, int6
     const int64_t r1 = std::min(m, r0 + kBrgemmChunkRows);
     for (int64_t c = c0; c < c1; c += kVnniBlock)
       brgemm_rows(xb, ldx, r0, r1, packed + c / kVnniBlock * (k * kVnniBlock), k, std::min<int64_t>(kVnniBlock, c1 - c),
-                  nullptr, y, ldy, c);
+                  y, ldy, c);
   }
 }
 
@@ -148,11 +137,6 @@ void vnni_stream_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint1
 
 void vnni_brgemm_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, bf16*, int64_t, int64_t,
                          int64_t) {
-  TORCH_CHECK(false, "the packed bfloat16 kernels need AVX512-BF16");
-}
-
-void brgemm_rows(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*, bf16*,
-                 int64_t, int64_t) {
   TORCH_CHECK(false, "the packed bfloat16 kernels need AVX512-BF16");
 }
 

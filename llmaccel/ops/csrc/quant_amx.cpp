@@ -136,8 +136,9 @@ inline __m512 widen_u8(const uint8_t* p) {
 // One INT8 block of a group (16 rows x 32 inputs + 128, then float16 scales where `scaled`) into its B tile.
 inline void unpack_int8_block(const uint8_t* block, bool scaled, uint32_t* tile) {
   __m512 s[4], o[4];
-  const __m512 scale = scaled ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt8BlockBytes)))
-                              : _mm512_set1_ps(1.0f);
+  const __m512 scale =
+      scaled ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt8BlockBytes)))
+             : _mm512_set1_ps(1.0f);
   for (int q = 0; q < 4; ++q) s[q] = spread(scale, q), o[q] = _mm512_mul_ps(s[q], _mm512_set1_ps(-128.0f));
   for (int t = 0; t < 8; ++t) {  // chunk t: row r's inputs 4 t .. 4 t + 3 at bytes 4 r .., plus 128
     __m512 f[4];

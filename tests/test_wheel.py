@@ -2,7 +2,7 @@
 kernels per instruction-set level (and their sources, for the JIT fallback), and llmaccel installed from
 it (not from this checkout) loads the best prebuilt level this CPU runs, compiling nothing. (.ci/run
 also installs the wheel into a fresh venv with no compiler on PATH and serves a request:
-tools/check_wheel.sh.)"""
+.ci/check_wheel.)"""
 
 from __future__ import annotations
 

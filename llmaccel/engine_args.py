@@ -17,7 +17,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization of the decoder's linear layers (embedding and LM head stay "
                              "in --dtype); gguf: a GGUF model's own tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: "
                              "llama.cpp's presets such as Q4_K_M) as they are, embedding and LM head included, in "
-                             "the file's memory and no more")
+                             "the file's memory and no more; without it a GGUF file's quantized tensors are "
+                             "dequantized to --dtype at load (the copy's size is logged, and it is refused where "
+                             "it cannot fit in the memory available)")
     parser.add_argument("--quant-group-size", type=int,
                         help="INT4 group size: 32 (default, as GGUF's Q4_0/Q4_1), 64 or 128")
     parser.add_argument("--quantize-embedding", action="store_true",

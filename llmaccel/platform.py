@@ -70,6 +70,26 @@ def auto_dtype(device: str, features: set[str] | None = None) -> str:
 HUGE_PAGE = 2 * 2**20
 
 
+def _meminfo(field: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None."""
+    return _meminfo("MemAvailable")
+
+
+def total_memory_bytes() -> int | None:
+    """MemTotal from /proc/meminfo (Linux), or None."""
+    return _meminfo("MemTotal")
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (0 where the OS does not say)."""
     try:

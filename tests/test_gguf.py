@@ -156,6 +156,32 @@ def test_gguf_quantization_runs_the_files_own_int4_tensors(tied_dir, tmp_path, t
         LLM(str(tied_dir), quantization="gguf")
 
 
+def test_a_quantized_file_read_as_floats_says_what_the_copy_costs_and_how_to_avoid_it(tied_dir, tmp_path,
+                                                                                      tiny_tokenizer, caplog):
+    path = _write(tied_dir, tmp_path, Q.Q8_0, tiny_tokenizer)
+    with caplog.at_level("INFO", logger="llmaccel.engine.loading"):
+        LLM(str(path), dtype="float32")
+    notes = [r.getMessage() for r in caplog.records if r.name == "llmaccel.engine.loading"]
+    assert len(notes) == 1 and "holds Q8_0 tensors" in notes[0] and "dequantized to float32" in notes[0]
+    assert "--quantization gguf serves them as they are" in notes[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llmaccel.engine.loading"):
+        LLM(str(_write(tied_dir, tmp_path, Q.F32, tiny_tokenizer)))  # nothing quantized: nothing to say
+    assert not [r for r in caplog.records if r.name == "llmaccel.engine.loading"]
+
+
+def test_a_float_copy_that_cannot_fit_is_refused_with_the_fix_named(tied_dir, tmp_path, tiny_tokenizer,
+                                                                     monkeypatch):
+    from llmaccel.engine import loading
+
+    path = _write(tied_dir, tmp_path, Q.Q4_1, tiny_tokenizer)
+    monkeypatch.setattr(loading, "available_memory_bytes", lambda: 1000)  # a machine with 1 kB free
+    with pytest.raises(ValueError, match=r"holds Q4_1 tensors .* more than the 0.0 GB of memory available: "
+                                         r"serve the file's own tensors with --quantization gguf"):
+        LLM(str(path))
+    assert LLM(str(path), quantization="gguf").generate("Hi", SamplingParams(max_tokens=2))  # in place it loads
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.F32])
 def test_the_fast_tensor_table_reads_what_the_gguf_package_reads(tied_dir, tmp_path, tiny_tokenizer, qtype):
     """read_tensors walks past the metadata (tokenizer strings, merges, arrays) to the same tensors, with

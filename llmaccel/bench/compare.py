@@ -30,15 +30,8 @@ from llmaccel.bench import datasets
 from llmaccel.bench.ceiling import ceiling_share, lone_requests, served_weight_bytes
 from llmaccel.bench.provenance import provenance
 from llmaccel.bench.serve import benchmark_args, run_benchmark, tokenizer_for
-from llmaccel.bench.servers import (
-    available_memory_bytes,
-    free_port,
-    peak_rss_bytes,
-    start_server,
-    stop_server,
-    total_memory_bytes,
-)
-from llmaccel.platform import machine_record
+from llmaccel.bench.servers import free_port, peak_rss_bytes, start_server, stop_server
+from llmaccel.platform import available_memory_bytes, machine_record, total_memory_bytes
 
 SINGLE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 

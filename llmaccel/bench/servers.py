@@ -76,21 +76,3 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _meminfo(field: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None."""
-    return _meminfo("MemAvailable")
-
-
-def total_memory_bytes() -> int | None:
-    """MemTotal from /proc/meminfo (Linux), or None."""
-    return _meminfo("MemTotal")

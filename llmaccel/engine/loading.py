@@ -8,6 +8,8 @@ a GGUF file's own quantized tensors (--quantization gguf); or float weights, qua
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,10 @@ from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.loader import LoadedCheckpoint, resolve_model_path
 from llmaccel.model.registry import model_class
 from llmaccel.model.spec import ModelSpec
+from llmaccel.platform import available_memory_bytes
 from llmaccel.quantization.prequantized import load_prequantized
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ def load_model(config: EngineConfig, checkpoint: LoadedCheckpoint, dtype: torch.
         quantization, ready = None, saved[1]
     elif quantization == "gguf":
         quantization, ready, tables = None, *gguf_tensors(config.model.model, checkpoint.weights, device)
+    elif quantization is None and hasattr(checkpoint.weights, "packed"):
+        check_dense_copy(config.model.model, checkpoint.weights, dtype)
     spec = checkpoint.spec
     model = model_class(spec.architecture)(
         spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
@@ -94,3 +101,22 @@ def gguf_tensors(model: str, weights, device: torch.device):
                              f"{path.name} is read through a converted copy: use int8 or int4")
         raise ValueError(f"--quantization gguf needs a .gguf model, and {model!r} is not one; use int8 or int4")
     return packed(cpu_kernels=device.type == "cpu"), weights.table
+
+
+def check_dense_copy(model: str, weights, dtype: torch.dtype) -> None:
+    """A GGUF file's quantized tensors read without --quantization are dequantized to `dtype` and kept so: say
+    what that copy costs against the file, and refuse it, naming the fix, where it cannot fit in the memory
+    available (an 8B Q4_K_M file is 4.9 GB; its float32 copy 32 GB)."""
+    quantized = [name for name in weights if weights.is_quantized(name)]
+    if not quantized:
+        return
+    dense = sum(math.prod(weights.shape(name)) for name in quantized) * torch.finfo(dtype).bits // 8
+    held = sum(weights.tensor(name).data.nbytes for name in quantized)
+    types = ", ".join(sorted({weights.tensor(name).type_name for name in quantized}))
+    what = (f"{resolve_model_path(model).name} holds {types} tensors ({held / 1e9:.2f} GB); without --quantization "
+            f"they are dequantized to {str(dtype).removeprefix('torch.')} at load ({dense / 1e9:.2f} GB)")
+    available = available_memory_bytes()
+    if available is not None and dense > available:
+        raise ValueError(f"{what}, more than the {available / 1e9:.1f} GB of memory available: serve the file's "
+                         "own tensors with --quantization gguf")
+    logger.info("%s; --quantization gguf serves them as they are", what)

@@ -35,7 +35,16 @@ def test_report_groups_tables_by_machine_kind_with_side_by_side_ratios(tmp_path,
                  date="2026-12-02T10:00Z", commit="def5678+changes")
     assert main(["bench", "report", zen3, xeon]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[:9] == [
+    assert out.splitlines()[:5] == [  # the answer first: llmaccel's best against the best peer, per kind and model
+        "| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's | W2 tok/s, "
+        "llmaccel's best over the best peer's | the best peer's |",
+        "|---|---|---|---|---|---|",
+        "| AMD EPYC, AVX2, 2 cores | llama-3b | **1.50x**: 9 (Q8_0) | 6 (llama.cpp-Q8_0) | **1.62x**: 21.2 (Q8_0) | "
+        "13.1 (llama.cpp-Q8_0) |",
+        "| Intel(R) Xeon(R) Processor, AMX, 2 cores | llama-3b | 30 (default) | no peer | 800 (default) | no peer |",
+        "",
+    ]
+    assert out.splitlines()[5:14] == [
         "### AMD EPYC, AVX2, 2 cores",
         "",
         f"**llama-3b**: 2026-12-05T07:00Z, commit abc1234, [3b-zen3.json]({zen3})",
@@ -59,11 +68,35 @@ def test_update_rewrites_only_the_part_between_the_markers(tmp_path, capsys):
     doc.write_text(f"# Benchmarks\n\nintro\n\n{BEGIN}\nold table\n{END}\n\n## Details\n")
     assert main(["bench", "report", result, "--update", str(doc)]) == 0
     text = doc.read_text()
-    assert text.startswith(f"# Benchmarks\n\nintro\n\n{BEGIN}\n### AMD EPYC")
+    assert text.startswith(f"# Benchmarks\n\nintro\n\n{BEGIN}\n| machine | model |")
+    assert "\n\n### AMD EPYC, AVX2, 2 cores\n" in text
     assert text.endswith(f"{END}\n\n## Details\n")
     assert "old table" not in text and "[r.json](results/r.json)" in text  # linked from the doc's folder
     assert main(["bench", "report", result, "--update", str(doc)]) == 0
     assert doc.read_text() == text  # regenerating changes nothing
+
+
+def test_tables_into_keeps_the_doc_to_the_answer_and_links_the_rest(tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "more").mkdir()
+    result = write(tmp_path / "results" / "r.json", ZEN3, [system("llmaccel", [10.0], 50.0, 2.0, 5.0, [])],
+                   date="2026-12-05T07:00Z", commit="abc1234")
+    doc, tables = tmp_path / "benchmarks.md", tmp_path / "more" / "peers.md"
+    doc.write_text(f"# Benchmarks\n\n{BEGIN}\nold\n{END}\n")
+    tables.write_text(f"# Every run\n\n{BEGIN}\nold\n{END}\n")
+    assert main(["bench", "report", result, "--update", str(doc), "--tables-into", str(tables)]) == 0
+    assert doc.read_text() == (f"# Benchmarks\n\n{BEGIN}\n"
+                               "| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's "
+                               "| W2 tok/s, llmaccel's best over the best peer's | the best peer's |\n"
+                               "|---|---|---|---|---|---|\n"
+                               "| AMD EPYC, AVX2, 2 cores | llama-3b | 10 (default) | no peer | 50 (default) "
+                               "| no peer |\n\n"
+                               f"Every server of each run: [more/peers.md](more/peers.md).\n{END}\n")
+    text = tables.read_text()
+    assert text.startswith(f"# Every run\n\n{BEGIN}\n### AMD EPYC, AVX2, 2 cores\n")
+    assert "[r.json](../results/r.json)" in text and "| llmaccel | 10 |  | 50 | 2 | 5 |" in text
+    assert main(["bench", "report", result, "--tables-into", str(tables)]) == 2
+    assert "--tables-into FILE2 goes with --update FILE" in capsys.readouterr().err
 
 
 def test_report_names_what_is_wrong(tmp_path, capsys):

@@ -1,18 +1,20 @@
 """`llmaccel bench report`: the headline tables of docs/benchmarks.md, generated from `bench compare` result
 files rather than written by hand.
 
-One section per machine kind (the CPU and the instruction sets that decide kernel speed: a figure from one
-kind never stands for another), one table per result file: each server's lone-request rate (W1, the median
-repeat), its rate against the first server of its side-by-side group (`bench compare --paired`: llmaccel
-against each peer on the same minutes of the machine's bandwidth), the 64-request burst (W2), peak memory
-and start time, with the date and commit that produced them. `--update FILE` rewrites the part of FILE between
-the report's markers, so the doc's headline is regenerated, never edited.
+First the answer on one screen: per machine kind and model, llmaccel's best lone-request and burst rates
+against the best peer's. Then one section per machine kind (the CPU and the instruction sets that decide kernel
+speed: a figure from one kind never stands for another), one table per result file: each server's lone-request
+rate (W1, the median repeat), its rate against the first server of its side-by-side group (`bench compare
+--paired`: llmaccel against each peer on the same minutes of the machine's bandwidth), the 64-request burst
+(W2), peak memory and start time, with the date and commit that produced them. `--update FILE` rewrites the
+part of FILE between the report's markers, so the doc's headline is regenerated, never edited.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -29,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--result-json` (each becomes one table, under its machine kind)")
     parser.add_argument("--update", type=Path, metavar="FILE",
                         help=f"write the tables into FILE between the lines {BEGIN!r} and {END!r} (else print them)")
+    parser.add_argument("--tables-into", type=Path, metavar="FILE2",
+                        help="with --update: FILE gets the answer table and a link to FILE2, and FILE2 (between the "
+                             "same markers) each result file's table of every server, so FILE stays short")
 
 
 def machine_kind(machine: dict) -> str:
@@ -72,8 +77,7 @@ def result_table(path: Path, record: dict, link_base: Path | None = None) -> str
         origin = added_in(path)
     systems = [s for s in record["systems"] if "failed_to_start" not in s]
     leads = paired_leads(systems)
-    link = path.resolve().relative_to(link_base.resolve()) if link_base and path.resolve().is_relative_to(
-        link_base.resolve()) else path
+    link = Path(os.path.relpath(path.resolve(), link_base.resolve())) if link_base else path
     lines = [f"**{_model_name(record.get('model', '?'))}**: {origin['date'] or 'date unknown'}, commit "
              f"{origin['commit'] or 'unknown'}, [{path.name}]({link.as_posix()})", "",
              f"| server | W1 tok/s{_shape([s['single'] for s in systems])}, median repeat | the first of its "
@@ -92,10 +96,37 @@ def result_table(path: Path, record: dict, link_base: Path | None = None) -> str
     return "\n".join(lines)
 
 
-def report(paths: list[Path], link_base: Path | None = None) -> str:
-    """Every result file's table, grouped under its machine kind, kinds in the order first met; links to the
-    files relative to `link_base` (the doc's folder)."""
-    kinds: dict[str, list[str]] = {}
+def _best(systems: list[dict], rate) -> tuple[float, str] | None:
+    """(the highest rate, its server) among `systems`, or None when none has one."""
+    rated = [(value, system["label"]) for system in systems if (value := rate(system))]
+    return max(rated) if rated else None
+
+
+def _versus(ours: tuple[float, str] | None, theirs: tuple[float, str] | None) -> tuple[str, str]:
+    """The two cells: llmaccel's best (its variant) with its ratio over the best peer's, and the best peer's."""
+    if ours is None:
+        return "-", "-" if theirs is None else f"{_number(theirs[0])} ({theirs[1]})"
+    variant = ours[1].removeprefix("llmaccel").removeprefix("-") or "default"
+    if theirs is None:
+        return f"{_number(ours[0])} ({variant})", "no peer"
+    return (f"**{ours[0] / theirs[0]:.2f}x**: {_number(ours[0])} ({variant})",
+            f"{_number(theirs[0])} ({theirs[1]})")
+
+
+def summary_row(kind: str, record: dict) -> str:
+    """One line of the answer table: llmaccel's best W1 and W2 on this file's model against the best peer's."""
+    systems = [s for s in record["systems"] if "failed_to_start" not in s]
+    ours = [s for s in systems if s["label"].startswith("llmaccel")]
+    peers = [s for s in systems if not s["label"].startswith("llmaccel")]
+    burst = lambda s: s["concurrent"].get("output_throughput")  # noqa: E731
+    cells = [*_versus(_best(ours, _median_rate), _best(peers, _median_rate)),
+             *_versus(_best(ours, burst), _best(peers, burst))]
+    return f"| {kind} | {_model_name(record.get('model', '?'))} | " + " | ".join(cells) + " |"
+
+
+def _records(paths: list[Path]) -> list[tuple[Path, dict, str]]:
+    """(path, record, machine kind) of each result file; a ValueError naming a file that is not one."""
+    records = []
     for path in paths:
         try:
             record = json.loads(path.read_text())
@@ -103,9 +134,32 @@ def report(paths: list[Path], link_base: Path | None = None) -> str:
             raise ValueError(f"{path}: cannot read a result file ({exc})") from None
         if not isinstance(record, dict) or "systems" not in record or "machine" not in record:
             raise ValueError(f"{path}: not a `bench compare` result file (no machine and systems)")
-        kinds.setdefault(machine_kind(record["machine"]), []).append(result_table(path, record, link_base))
-    sections = [f"### {kind}\n\n" + "\n\n".join(tables) for kind, tables in kinds.items()]
-    return "\n\n".join(sections)
+        records.append((path, record, machine_kind(record["machine"])))
+    return records
+
+
+def answer_table(paths: list[Path]) -> str:
+    """llmaccel's best against the best peer, a row per result file, a machine kind's rows together."""
+    rows: dict[str, list[str]] = {}
+    for _, record, kind in _records(paths):
+        rows.setdefault(kind, []).append(summary_row(kind, record))
+    header = ["| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's | W2 tok/s, "
+              "llmaccel's best over the best peer's | the best peer's |", "|---|---|---|---|---|---|"]
+    return "\n".join(header + [row for kind_rows in rows.values() for row in kind_rows])
+
+
+def kind_tables(paths: list[Path], link_base: Path | None = None) -> str:
+    """Every result file's table, grouped under its machine kind, kinds in the order first met; links to the
+    files relative to `link_base` (the doc's folder)."""
+    kinds: dict[str, list[str]] = {}
+    for path, record, kind in _records(paths):
+        kinds.setdefault(kind, []).append(result_table(path, record, link_base))
+    return "\n\n".join(f"### {kind}\n\n" + "\n\n".join(tables) for kind, tables in kinds.items())
+
+
+def report(paths: list[Path], link_base: Path | None = None) -> str:
+    """The answer table, then every result file's table under its machine kind."""
+    return answer_table(paths) + "\n\n" + kind_tables(paths, link_base)
 
 
 def update(doc: Path, text: str) -> None:
@@ -119,10 +173,17 @@ def update(doc: Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    text = report(args.results, args.update.parent if args.update else None)
-    if args.update:
-        update(args.update, text)
+    if args.tables_into and not args.update:
+        raise ValueError("--tables-into FILE2 goes with --update FILE (the doc that links to it)")
+    if args.tables_into:
+        link = Path(os.path.relpath(args.tables_into.resolve(), args.update.resolve().parent)).as_posix()
+        update(args.update, f"{answer_table(args.results)}\n\nEvery server of each run: [{link}]({link}).")
+        update(args.tables_into, kind_tables(args.results, args.tables_into.parent))
+        print(f"wrote the answer table into {args.update} and {len(args.results)} result files' tables into "
+              f"{args.tables_into}")
+    elif args.update:
+        update(args.update, report(args.results, args.update.parent))
         print(f"wrote the headline tables of {len(args.results)} result files into {args.update}")
     else:
-        print(text)
+        print(report(args.results))
     return 0

@@ -75,7 +75,7 @@ def result_table(path: Path, record: dict, link_base: Path | None = None) -> str
     origin = {"date": record.get("date"), "commit": record.get("commit")}
     if not origin["commit"]:
         origin = added_in(path)
-    systems = [s for s in record["systems"] if "failed_to_start" not in s]
+    systems = _started(record)
     leads = paired_leads(systems)
     link = Path(os.path.relpath(path.resolve(), link_base.resolve())) if link_base else path
     lines = [f"**{_model_name(record.get('model', '?'))}**: {origin['date'] or 'date unknown'}, commit "
@@ -94,6 +94,11 @@ def result_table(path: Path, record: dict, link_base: Path | None = None) -> str
                      f"{_number(system['concurrent'].get('output_throughput'))} | "
                      f"{_number(rss / 2**30 if rss else None)} | {_number(system.get('start_seconds'))} |")
     return "\n".join(lines)
+
+
+def _started(record: dict) -> list[dict]:
+    """The servers of a result file that came up (one that failed to start has no figures)."""
+    return [s for s in record["systems"] if "failed_to_start" not in s]
 
 
 def _best(systems: list[dict], rate) -> tuple[float, str] | None:
@@ -115,7 +120,7 @@ def _versus(ours: tuple[float, str] | None, theirs: tuple[float, str] | None) ->
 
 def summary_row(kind: str, record: dict) -> str:
     """One line of the answer table: llmaccel's best W1 and W2 on this file's model against the best peer's."""
-    systems = [s for s in record["systems"] if "failed_to_start" not in s]
+    systems = _started(record)
     ours = [s for s in systems if s["label"].startswith("llmaccel")]
     peers = [s for s in systems if not s["label"].startswith("llmaccel")]
     burst = lambda s: s["concurrent"].get("output_throughput")  # noqa: E731
@@ -138,28 +143,29 @@ def _records(paths: list[Path]) -> list[tuple[Path, dict, str]]:
     return records
 
 
-def answer_table(paths: list[Path]) -> str:
+def answer_table(records: list[tuple[Path, dict, str]]) -> str:
     """llmaccel's best against the best peer, a row per result file, a machine kind's rows together."""
     rows: dict[str, list[str]] = {}
-    for _, record, kind in _records(paths):
+    for _, record, kind in records:
         rows.setdefault(kind, []).append(summary_row(kind, record))
     header = ["| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's | W2 tok/s, "
               "llmaccel's best over the best peer's | the best peer's |", "|---|---|---|---|---|---|"]
     return "\n".join(header + [row for kind_rows in rows.values() for row in kind_rows])
 
 
-def kind_tables(paths: list[Path], link_base: Path | None = None) -> str:
+def kind_tables(records: list[tuple[Path, dict, str]], link_base: Path | None = None) -> str:
     """Every result file's table, grouped under its machine kind, kinds in the order first met; links to the
     files relative to `link_base` (the doc's folder)."""
     kinds: dict[str, list[str]] = {}
-    for path, record, kind in _records(paths):
+    for path, record, kind in records:
         kinds.setdefault(kind, []).append(result_table(path, record, link_base))
     return "\n\n".join(f"### {kind}\n\n" + "\n\n".join(tables) for kind, tables in kinds.items())
 
 
 def report(paths: list[Path], link_base: Path | None = None) -> str:
     """The answer table, then every result file's table under its machine kind."""
-    return answer_table(paths) + "\n\n" + kind_tables(paths, link_base)
+    records = _records(paths)
+    return answer_table(records) + "\n\n" + kind_tables(records, link_base)
 
 
 def update(doc: Path, text: str) -> None:
@@ -177,8 +183,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tables-into FILE2 goes with --update FILE (the doc that links to it)")
     if args.tables_into:
         link = Path(os.path.relpath(args.tables_into.resolve(), args.update.resolve().parent)).as_posix()
-        update(args.update, f"{answer_table(args.results)}\n\nEvery server of each run: [{link}]({link}).")
-        update(args.tables_into, kind_tables(args.results, args.tables_into.parent))
+        records = _records(args.results)
+        update(args.update, f"{answer_table(records)}\n\nEvery server of each run: [{link}]({link}).")
+        update(args.tables_into, kind_tables(records, args.tables_into.parent))
         print(f"wrote the answer table into {args.update} and {len(args.results)} result files' tables into "
               f"{args.tables_into}")
     elif args.update:

@@ -81,7 +81,7 @@ def load_model(config: EngineConfig, checkpoint: LoadedCheckpoint, dtype: torch.
     elif quantization == "gguf":
         quantization, ready, tables = None, *gguf_tensors(config.model.model, checkpoint.weights, device)
     elif quantization is None and hasattr(checkpoint.weights, "packed"):
-        check_dense_copy(config.model.model, checkpoint.weights, dtype)
+        check_dense_copy(checkpoint.weights, dtype)
     spec = checkpoint.spec
     model = model_class(spec.architecture)(
         spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
@@ -103,7 +103,7 @@ def gguf_tensors(model: str, weights, device: torch.device):
     return packed(cpu_kernels=device.type == "cpu"), weights.table
 
 
-def check_dense_copy(model: str, weights, dtype: torch.dtype) -> None:
+def check_dense_copy(weights, dtype: torch.dtype) -> None:
     """A GGUF file's quantized tensors read without --quantization are dequantized to `dtype` and kept so: say
     what that copy costs against the file, and refuse it, naming the fix, where it cannot fit in the memory
     available (an 8B Q4_K_M file is 4.9 GB; its float32 copy 32 GB)."""
@@ -113,7 +113,7 @@ def check_dense_copy(model: str, weights, dtype: torch.dtype) -> None:
     dense = sum(math.prod(weights.shape(name)) for name in quantized) * torch.finfo(dtype).bits // 8
     held = sum(weights.tensor(name).data.nbytes for name in quantized)
     types = ", ".join(sorted({weights.tensor(name).type_name for name in quantized}))
-    what = (f"{resolve_model_path(model).name} holds {types} tensors ({held / 1e9:.2f} GB); without --quantization "
+    what = (f"{weights.file.path.name} holds {types} tensors ({held / 1e9:.2f} GB); without --quantization "
             f"they are dequantized to {str(dtype).removeprefix('torch.')} at load ({dense / 1e9:.2f} GB)")
     available = available_memory_bytes()
     if available is not None and dense > available:

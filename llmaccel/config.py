@@ -78,6 +78,18 @@ class ModelConfig:
         return _dtype_from_name(self.dtype)
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")  # ops/kv_int8.py's formats
+_KV_CACHE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "fp8"}
+
+
+def kv_cache_dtype_name(name: str) -> str:
+    """The canonical name of a --kv-cache-dtype value; ValueError naming the choices for anything else."""
+    canonical = _KV_CACHE_ALIASES.get(name, name)
+    if canonical not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, bf16, float32, int8, fp8")
+    return canonical
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -86,8 +98,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse the KV of identical prompt prefixes (hashed full blocks)
     kv_window: int | None = None  # StreamingLLM: keep the last kv_window tokens of each sequence ...
     kv_sinks: int = 4  # ... and its first kv_sinks (attention sinks); blocks wholly between are freed
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float32, int8 or fp8 (ops/kv_int8.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_window is not None and self.kv_window < self.block_size:

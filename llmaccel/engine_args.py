@@ -39,6 +39,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "maximum)")
     parser.add_argument("--kv-sinks", type=int, default=4, metavar="S",
                         help="with --kv-window: the first S tokens (attention sinks) always stay")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,float32,int8,fp8}",
+                        help="the KV cache's element type: auto (the model's --dtype); int8: each token's key and "
+                             "value rows quantized per head with a float16 scale as they are written, so the same "
+                             "--kv-cache-memory holds ~1.9x the tokens (read by the attention kernels as they are); "
+                             "fp8 (e4m3): CUDA GPUs with fp8 only; bf16/float32 must be the model's dtype")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
@@ -76,7 +81,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                   kv_window=args.kv_window, kv_sinks=args.kv_sinks,
+                   kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_cache_dtype=args.kv_cache_dtype,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

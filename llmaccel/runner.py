@@ -1,8 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into batch tensors, runs the model, samples.
 
 It owns the KV pool (one K and one V tensor per layer, `[num_blocks * block_size, kv_heads,
-head_dim]`) and each seeded request's generator. It knows requests only as token spans: how spans are
-laid out as a batch is batch_layout.py; what a step returns, and how its rows are sampled, step_result.py.
+head_dim]`, INT8 rows `head_dim + 2` wide: ops/kv_int8.py) and each seeded request's generator. It knows
+requests only as token spans: how spans are laid out as a batch is batch_layout.py; what a step returns,
+and how its rows are sampled, step_result.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layer_taps import LayerTaps
+from llmaccel.ops.kv_int8 import row_width
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 from llmaccel.step_result import Sampled, StepResult, prompt_token_logprobs, sample_tokens, span_features, verify_drafts
 from llmaccel.structured.compiler import GrammarCompiler
@@ -33,7 +35,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
-        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (num_slots, spec.num_kv_heads, row_width(spec.head_dim, dtype))
         self._buffer: mmap.mmap | None = None
         slab = self.kv_slab = self._allocate((spec.num_layers, 2, *shape), dtype)
         self.kv_caches = [(slab[i, 0], slab[i, 1]) for i in range(spec.num_layers)]

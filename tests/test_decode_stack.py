@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from llmaccel import LLM
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
@@ -95,6 +95,27 @@ def test_a_bfloat16_model_with_an_int8_table_runs_in_bfloat16(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["llama-tied"]), dtype="bfloat16", quantization="int8", quantize_embedding=True,
               enable_prefix_caching=False)
     _stack_against_layers(llm, _prompts(), tokens=16)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int8_kv_cache_takes_the_stack_to_the_bit(tiny_model_dirs, name, dtype):
+    """The stack quantizes each new row into the INT8 pool and attends over it as the layer path's kernels do."""
+    llm = LLM(str(tiny_model_dirs[name]), dtype=dtype, kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.int8
+    _stack_against_layers(llm, _prompts()[:2], tokens=24)
+
+
+def test_an_int8_kv_cache_at_head_dim_64_takes_the_stack_to_the_bit(tmp_path, tiny_tokenizer):
+    """head_dim 64: the INT8 attention's AVX-512 passes (the tiny families' 16 take the portable loops)."""
+    config = LlamaConfig(**{**_common(tiny_tokenizer), "hidden_size": 128}, num_attention_heads=2,
+                         num_key_value_heads=1)
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert llm.engine.runner.kv_caches[0][0].shape[1:] == (1, 66)
+    _stack_against_layers(llm, _prompts(), tokens=24)
 
 
 @pytest.mark.parametrize("name", STACKED)

@@ -28,6 +28,7 @@ from llmaccel.errors import InvalidRequestError
 from llmaccel.model.layers import weight_bytes
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.ops.gemv import gemv_kernels
+from llmaccel.ops.kv_int8 import kv_storage_dtype
 from llmaccel.outputs import RequestMetrics, RequestOutput
 from llmaccel.platform import describe, peak_rss_bytes
 from llmaccel.runner import ModelRunner
@@ -59,7 +60,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.hf_dir = checkpoint.hf_dir
 
-        layout = kv_layout(config, self.spec, self.dtype)
+        self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
+        layout = kv_layout(config, self.spec, self.kv_dtype)
         num_blocks, block_size, bytes_per_token = layout.num_blocks, layout.block_size, layout.bytes_per_token
         window, sinks = layout.window, layout.sinks
         self.max_model_len = layout.max_model_len
@@ -71,10 +73,12 @@ class LLMEngine:
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
                                                  config.model.quant_group_size, config.model.quantize_embedding))
+        if self.kv_dtype != self.dtype:  # a quantized KV cache changes the numerics too
+            self.variant += f"|kv={str(self.kv_dtype).removeprefix('torch.')}"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,
                                        window, sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.kv_dtype, self.device)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner.grammars = self.grammars
         self.scorer = SequenceScorer(self.runner, self.kv_cache)
@@ -94,9 +98,10 @@ class LLMEngine:
                     f", GPU {machine['gpu']}" if machine["gpu"] else "", str(self.dtype).removeprefix("torch."),
                     " (auto)" if config.model.dtype == "auto" else "",
                     "on" if self.device.type == "cpu" and gemv_kernels() is not None else "off")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB); max_model_len %d; "
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity (%.2f GiB, %s); max_model_len %d; "
                     "attention: %s", num_blocks, block_size, num_blocks * block_size,
-                    num_blocks * block_size * bytes_per_token / 2**30, self.max_model_len,
+                    num_blocks * block_size * bytes_per_token / 2**30, str(self.kv_dtype).removeprefix("torch."),
+                    self.max_model_len,
                     "C++ paged kernel" if model.attention.uses_kernel else "torch reference")
         logger.info("weights: %.0f MB; loaded in %.1f s, peak RSS so far %.2f GB", self.weight_bytes / 1e6,
                     time.perf_counter() - began, peak_rss_bytes() / 1e9)

@@ -20,6 +20,7 @@ from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.loader import LoadedCheckpoint, resolve_model_path
 from llmaccel.model.registry import model_class
 from llmaccel.model.spec import ModelSpec
+from llmaccel.ops.kv_int8 import bytes_per_element_row
 from llmaccel.platform import available_memory_bytes
 from llmaccel.quantization.prequantized import load_prequantized
 
@@ -38,11 +39,12 @@ class KVLayout:
     max_model_len: int
 
 
-def kv_layout(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> KVLayout:
-    """The pool's blocks and the longest sequence it serves. Raises ValueError when the pool holds no block
-    or the KV window cannot work (the model slides on its own, or the pool is smaller than a window needs)."""
+def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KVLayout:
+    """The pool's blocks and the longest sequence it serves, its elements in `storage` (ops/kv_int8.py).
+    Raises ValueError when the pool holds no block or the KV window cannot work (the model slides on its own,
+    or the pool is smaller than a window needs)."""
     block_size = config.cache.block_size
-    bytes_per_token = spec.kv_bytes_per_token * torch.finfo(dtype).bits // 8
+    bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * bytes_per_element_row(spec.head_dim, storage)
     num_blocks = config.cache.num_kv_blocks or config.cache.kv_cache_memory // (bytes_per_token * block_size)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {config.cache.kv_cache_memory} B holds no block of {block_size} "

@@ -70,7 +70,7 @@ class DecodeStack:
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The final norm's output for a decode-only step, or None where the step is not one it takes."""
         rows = input_ids.shape[0]
-        if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype != self.dtype:
+        if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return None
         hidden = model.embed(input_ids, positions).to(self.dtype)
         kernel = "stream" if self.choice is None else self.choice.kernel(rows)

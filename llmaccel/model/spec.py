@@ -60,11 +60,6 @@ class ModelSpec:
         KV cache may free those blocks. A model mixing in full-attention layers must keep them all."""
         return self.sliding_window if len(self.sliding_layers) == self.num_layers else None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, at 4 bytes per element (scaled by dtype)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def llama_spec(config: dict, source: str, architecture: str, **family: object) -> ModelSpec:
     """The spec of a Llama-shaped config (Llama, Mistral, Qwen2/3, Phi-3, Gemma), `family` overriding or adding

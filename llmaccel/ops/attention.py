@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.kv_int8 import loaded, stored
 
 
 @dataclass
@@ -74,8 +75,8 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               softcap: float | None = None) -> torch.Tensor:
     """Decode attention over the slots and mask of `decode_gather`. q: [S, H, D]."""
     slots, valid = gather
-    keys = k_cache[slots].transpose(1, 2)  # [S, KVH, L, D]
-    values = v_cache[slots].transpose(1, 2)
+    keys = loaded(k_cache[slots], q.dtype).transpose(1, 2)  # [S, KVH, L, D]
+    values = loaded(v_cache[slots], q.dtype).transpose(1, 2)
     if softcap is not None:
         return softcapped_attention(q.unsqueeze(2), keys, values, valid[:, None, None, :], scale, softcap).squeeze(2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
@@ -142,13 +143,14 @@ class PagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]; `window`: the layer's sliding
-        window, if it has one. Returns [T, H, D]."""
-        if self._write_kv is not None and k.stride(2) == 1 and v.stride(2) == 1:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D] (INT8: [num_slots, KVH, D + 2],
+        ops/kv_int8.py); `window`: the layer's sliding window, if it has one. Returns [T, H, D]."""
+        if (self._write_kv is not None and k.stride(2) == 1 and v.stride(2) == 1
+                and k_cache.dtype in (k.dtype, torch.int8)):
             self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            k_cache.index_copy_(0, meta.slot_mapping, stored(k, k_cache.dtype))
+            v_cache.index_copy_(0, meta.slot_mapping, stored(v, v_cache.dtype))
         parts = []
         num_decode = meta.num_decode_tokens
         if num_decode:
@@ -165,19 +167,24 @@ class PagedAttention:
                         meta.decode_block_tables, meta.decode_context_lens, meta.block_size, max_len, window)
                 parts.append(gathered_decode_attention(q_decode, k_cache, v_cache, gather, self.scale, self.softcap))
         for span in meta.prefills:
-            parts.append(self._prefill(q, k, v, k_cache, v_cache, span, window))
+            parts.append(self._prefill(q, k, v, k_cache, v_cache, meta, span, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, span: PrefillSpan, window: int | None) -> torch.Tensor:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, span: PrefillSpan,
+                 window: int | None) -> torch.Tensor:
         end = span.start + span.num_tokens
         q_span = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if span.context_slots is None:  # the chunk is the whole context
+        if span.context_slots is None and k_cache.dtype == k.dtype:  # the chunk is the whole context
             keys = k[span.start:end].transpose(0, 1).unsqueeze(0)
             values = v[span.start:end].transpose(0, 1).unsqueeze(0)
-        else:  # earlier chunks are cached
-            keys = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
-            values = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+        elif span.context_slots is None:  # as quantized in the pool, as any later chunk or decode step sees them
+            slots = meta.slot_mapping[span.start:end]
+            keys = loaded(k_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
+            values = loaded(v_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
+        else:  # earlier chunks are cached (a quantized cache's rows widened: this chunk's context only)
+            keys = loaded(k_cache[span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)
+            values = loaded(v_cache[span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)
         offset = span.context_len - span.num_tokens
         plain_causal = offset == 0 and (window is None or window >= span.num_tokens)
         if self.softcap is not None:

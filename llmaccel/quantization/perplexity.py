@@ -35,6 +35,7 @@ VARIANTS = {
     "int4-g32+emb8": {"quantization": "int4", "quant_group_size": 32, "quantize_embedding": True},
     "gguf-native": {"quantization": "gguf"},  # only for a GGUF model: its own Q4_0/Q4_1/Q8_0 tensors
     "gguf-native+emb8": {"quantization": "gguf", "quantize_embedding": True},  # and its Q8_0 embedding
+    "kv-int8": {"kv_cache_dtype": "int8"},  # the weights as they are, the KV cache in INT8 (ops/kv_int8.py)
 }
 
 
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score through a StreamingLLM KV window: each --ctx window goes through in W-token "
                              "chunks that see only the --kv-sinks first tokens and the last W")
     parser.add_argument("--kv-sinks", type=int, default=4, metavar="S", help="attention sinks kept with --kv-window")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,int8}",
+                        help="the KV cache's element type (int8: every window's keys and values are scored as the "
+                             "INT8 cache holds them)")
     parser.add_argument("--corpus", action="append", required=True,
                         help=f"a UTF-8 text file or a named corpus ({', '.join(NAMED_CORPORA)}); repeatable")
     parser.add_argument("--max-tokens", type=int, default=50_000, help="score the first this many tokens")
@@ -137,11 +141,13 @@ def _variants(args: argparse.Namespace) -> dict[str, dict]:
 
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
                    "quantize_embedding": args.quantize_embedding or None, "kv_window": args.kv_window,
-                   "kv_sinks": args.kv_sinks if args.kv_window else None}
+                   "kv_sinks": args.kv_sinks if args.kv_window else None,
+                   "kv_cache_dtype": args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None}
         saved = read_quantization_config(path) if path.is_dir() else None
         label = args.quantization or (f"{saved['method']} (saved)" if saved else "fp32")
         label += "+emb8" if args.quantize_embedding else ""
         label += f" kv-window {args.kv_window}" if args.kv_window else ""
+        label += f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
         return {label: {k: v for k, v in options.items() if v is not None}}
     is_gguf = path.suffix.lower() == ".gguf"
     variants = {k: v for k, v in VARIANTS.items() if is_gguf or v.get("quantization") != "gguf"}

@@ -150,8 +150,8 @@ def small_engine_options(engine_options: dict) -> dict:
     """A cascade's small model runs where and as the model does, unquantized and without speculation. It
     answers first, so it judges prompts with a semantic guard too: its own classifier (one is trained per
     model, so a file given for the large model does not fit it), found as 'default' finds one."""
-    shared = ("device", "dtype", "kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefix_caching",
-              "max_num_seqs", "max_num_batched_tokens", "semantic_guard_action")
+    shared = ("device", "dtype", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks", "block_size",
+              "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "semantic_guard_action")
     options = {name: engine_options[name] for name in shared if name in engine_options}
     if engine_options.get("semantic_guard") is not None:
         options["semantic_guard"] = "default"

@@ -378,6 +378,7 @@ class DecodeStack {
                     Bf16Kernel kernel, bool kv_first) const {
     const int64_t seqs = hidden.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    const bool int8_kv = k_caches.front().scalar_type() == torch::kInt8;
     const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
     auto opts = hidden.options();
     auto residual = hidden.contiguous().clone(), normed = torch::empty({seqs, hidden_}, opts);
@@ -474,13 +475,18 @@ class DecodeStack {
       }
       rope_heads(q, group, head_dim_, c, sn);
       rope_heads(k, 1, head_dim_, c, sn);
+      if (int8_kv) {  // each row quantized as it is written (kv_int8.cpp)
+        const int64_t offset = (slot[s] * kv_heads_ + kvh) * (head_dim_ + 2);
+        quantize_kv_row(k, head_dim_, k_caches[l].data_ptr<int8_t>() + offset);
+        quantize_kv_row(k + kv_size, head_dim_, v_caches[l].data_ptr<int8_t>() + offset);
+        return;
+      }
       std::memcpy(k_caches[l].data_ptr<T>() + slot[s] * kv_size + kvh * head_dim_, k, head_dim_ * sizeof(T));
       std::memcpy(v_caches[l].data_ptr<T>() + slot[s] * kv_size + kvh * head_dim_, k + kv_size, head_dim_ * sizeof(T));
     };
-    // `written`: every item's K/V is already in the pool (kv_first: rows of one sequence read each other's)
-    auto attention = [&](int tid, int threads, size_t l, AttentionScratch& scratch, bool written) {
-      const auto items = share(seqs * kv_heads_, tid, threads);
-      T *k_pool = k_caches[l].data_ptr<T>(), *v_pool = v_caches[l].data_ptr<T>();
+    // A thread's items on pools of T, or of int8 rows (kv_int8.cpp)
+    auto attend_items = [&](std::pair<int64_t, int64_t> items, size_t l, AttentionScratch& scratch, bool written,
+                            const auto* k_pool, const auto* v_pool) {
       for (int64_t item = items.first; item < items.second; ++item) {
         const int64_t s = item / kv_heads_, kvh = item % kv_heads_;
         if (!written) rotate_and_write(item, l);
@@ -493,6 +499,14 @@ class DecodeStack {
                     layers_[l].window, kvh, group, kv_heads_, head_dim_, block_size, scale, softcap,
                     attn_p + s * q_size + kvh * group * head_dim_, scratch);
       }
+    };
+    // `written`: every item's K/V is already in the pool (kv_first: rows of one sequence read each other's)
+    auto attention = [&](int tid, int threads, size_t l, AttentionScratch& scratch, bool written) {
+      const auto items = share(seqs * kv_heads_, tid, threads);
+      if (int8_kv)
+        attend_items(items, l, scratch, written, k_caches[l].data_ptr<int8_t>(), v_caches[l].data_ptr<int8_t>());
+      else
+        attend_items(items, l, scratch, written, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>());
     };
     auto write_all = [&](int tid, int threads, size_t l) {
       const auto items = share(seqs * kv_heads_, tid, threads);
@@ -623,9 +637,12 @@ class DecodeStack {
     const int64_t num_slots = k_caches.front().size(0);
     for (const auto* pools : {&k_caches, &v_caches})
       for (const auto& pool : *pools)
-        TORCH_CHECK(pool.scalar_type() == dtype_ && pool.is_contiguous() && pool.dim() == 3 &&
-                        pool.size(0) == num_slots && pool.size(1) == kv_heads_ && pool.size(2) == head_dim_,
-                    "KV pools must be contiguous [slots, KVH, D] of the stack's dtype, all alike");
+        TORCH_CHECK(pool.scalar_type() == k_caches.front().scalar_type() && pool.is_contiguous() && pool.dim() == 3 &&
+                        pool.size(0) == num_slots && pool.size(1) == kv_heads_ &&
+                        (pool.scalar_type() == dtype_ ? pool.size(2) == head_dim_
+                                                      : pool.scalar_type() == torch::kInt8 && pool.size(2) == head_dim_ + 2),
+                    "KV pools must be contiguous [slots, KVH, D] of the stack's dtype (int8: [slots, KVH, D + 2]), "
+                    "all alike");
     for (const auto* t : {&cos, &sin})
       TORCH_CHECK(t->scalar_type() == dtype_ && t->is_contiguous() && t->dim() == 2 && t->size(1) == head_dim_,
                   "cos and sin must be contiguous [max_positions, D] of the stack's dtype");

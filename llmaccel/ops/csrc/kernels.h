@@ -218,4 +218,17 @@ void prefetch_item(const float* k_cache, const float* v_cache, const int32_t* ta
 void prefetch_item(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len, int64_t window,
                    int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size);
 
+// The INT8 KV cache (kv_int8.cpp): rows of head_dim int8 values and their float16 scale, head_dim + 2
+// bytes. quantize_kv_row writes one; attend_item and prefetch_item as above, on such pools.
+void quantize_kv_row(const float* x, int64_t head_dim, int8_t* out);
+void quantize_kv_row(const bf16* x, int64_t head_dim, int8_t* out);
+void attend_item(const float* q, const int8_t* k_cache, const int8_t* v_cache, const int32_t* table, int64_t len,
+                 int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, float scale, float softcap, float* out, AttentionScratch& scratch);
+void attend_item(const bf16* q, const int8_t* k_cache, const int8_t* v_cache, const int32_t* table, int64_t len,
+                 int64_t window, int64_t kv_head, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, float scale, float softcap, bf16* out, AttentionScratch& scratch);
+void prefetch_item(const int8_t* k_cache, const int8_t* v_cache, const int32_t* table, int64_t len, int64_t window,
+                   int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size);
+
 }  // namespace llmaccel

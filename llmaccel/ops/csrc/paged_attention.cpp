@@ -15,13 +15,10 @@
 #include <vector>
 
 #include "kernels.h"
+#include "paged_rows.h"
 
-// Blocks lie anywhere in the pool and the hardware prefetcher stops at page edges, so while row j
-// of a block is read, row j of the sequence's next block is requested (measured: ~20% faster).
-static inline void prefetch_bytes(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
-}
+using llmaccel::for_each_row;
+using llmaccel::prefetch_bytes;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -80,23 +77,6 @@ static inline const float* as_floats(const scalar_t* row, int64_t n, float* buff
   } else {
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
     return buffer;
-  }
-}
-
-// Calls visit(row, t - first) for the rows of tokens first..len-1 of one sequence, block by block,
-// prefetching (`row_bytes` of) row j of the next block while row j of this one is visited.
-template <typename scalar_t, typename Visit>
-static inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
-                                int64_t block_size, int64_t block_elems, int64_t row_stride, int64_t row_bytes,
-                                Visit visit) {
-  for (int64_t t0 = first - first % block_size; t0 < len; t0 += block_size) {
-    const scalar_t* block = cache + table[t0 / block_size] * block_elems;
-    const scalar_t* next = t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_elems : nullptr;
-    const int64_t n = std::min(block_size, len - t0);
-    for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
-      if (next) prefetch_bytes(next + j * row_stride, row_bytes);
-      visit(block + j * row_stride, t0 + j - first);
-    }
   }
 }
 
@@ -464,14 +444,23 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
   });
 }
 
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                          int64_t window, double scale, double softcap);
+void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots);
+
 // q: [S, H, D] (rows may be strided: a view of the fused qkv projection); k_cache, v_cache: [num_slots,
-// KVH, D] with slot = block * block_size + offset; block_tables: [S, max_blocks] int32; context_lens: [S]
-// int32 (keys in each table). With window > 0 (a sliding-window layer) each query sees only the last
-// `window` of its keys. With softcap > 0 the scores are capped, softcap * tanh(s / softcap), before the
-// softmax (Gemma 2). Returns [S, H, D].
+// KVH, D] with slot = block * block_size + offset (int8 caches: [num_slots, KVH, D + 2], kv_int8.cpp);
+// block_tables: [S, max_blocks] int32; context_lens: [S] int32 (keys in each table). With window > 0 (a
+// sliding-window layer) each query sees only the last `window` of its keys. With softcap > 0 the scores are
+// capped, softcap * tanh(s / softcap), before the softmax (Gemma 2). Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, int64_t window, double scale, double softcap) {
+  if (k_cache.scalar_type() == torch::kInt8)
+    return paged_decode_attention_int8(q, k_cache, v_cache, block_tables, context_lens, block_size, window, scale,
+                                       softcap);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -492,8 +481,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every new token t (k, v: [T, KVH, D], rows
 // may be strided views of the fused qkv projection): the two index_copy_ calls of the torch path in one.
+// An int8 cache quantizes each row as it is written (kv_int8.cpp).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
+  if (k_cache.scalar_type() == torch::kInt8) return write_kv_int8(k, v, k_cache, v_cache, slots);
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, KVH, D] alike");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "each key and value row must be contiguous");

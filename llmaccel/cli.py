@@ -107,6 +107,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "requests: lost requests, gauges after each pass, RSS per pass (does it level off?)", "add_arguments", "run"),
     ("guard", "guard", "the output guard per served variant on the built-in prompts: abnormal-output ratio, "
      "resample success rate, KL percentiles", "add_arguments", "run"),
+    ("kv", "kv_cache", "the KV cache's element types (--kv-cache-dtype) side by side in one process: tokens per "
+     "budget, perplexity, identical greedy continuations, decode tok/s in a batch and at a long context",
+     "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

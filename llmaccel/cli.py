@@ -110,6 +110,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("kv", "kv_cache", "the KV cache's element types (--kv-cache-dtype) side by side in one process: tokens per "
      "budget, perplexity, identical greedy continuations, decode tok/s in a batch and at a long context",
      "add_arguments", "run"),
+    ("long-context", "long_context", "a 32k-token document and a chat past it with full attention, an INT8 KV cache, "
+     "a KV window with sinks and both: KV written, peak RSS, prefill seconds, decode tok/s", "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

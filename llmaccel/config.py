@@ -58,6 +58,7 @@ class ModelConfig:
     quant_group_size: int | None = None  # INT4 group size (32, 64, 128); None: 32
     quantize_embedding: bool = False  # hold the embedding and LM head in INT8 too (one copy when tied);
     # with "gguf", the file's own Q8_0 table
+    rope_scaling: dict | None = None  # replaces the config's RoPE scaling, e.g. {"rope_type": "yarn", "factor": 4}
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -70,12 +71,30 @@ class ModelConfig:
             raise ValueError(f"unknown quantization method {self.quantization!r}; choose int8, int4 or gguf")
         if self.quant_group_size not in (None, 32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return _dtype_from_name(auto_dtype(self.device))
         return _dtype_from_name(self.dtype)
+
+
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3", "longrope")  # model/rope.py
+
+
+def check_rope_scaling(scaling: object) -> None:
+    """A --rope-scaling value: a mapping with a known rope_type and a positive factor; ValueError otherwise."""
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a JSON object such as {{\"rope_type\": \"yarn\", \"factor\": 4}}, "
+                         f"got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling: unknown rope_type {kind!r}; choose one of {', '.join(ROPE_SCALINGS)}")
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"rope_scaling: factor must be a positive number, got {factor!r}")
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")  # ops/kv_int8.py's formats

@@ -4,6 +4,7 @@ and the LLMEngine options they give: below the CLI and the cluster, which both r
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +48,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
-                        help="context window (default: the model's, capped by the KV budget)")
+                        help="context window (default: the model's, capped by the KV budget); past the positions the "
+                             "model was trained for only with a RoPE scaling that stretches them (--rope-scaling)")
+    parser.add_argument("--rope-scaling", type=json.loads, metavar="JSON",
+                        help="replace the model's RoPE scaling, as HF configs write it: e.g. "
+                             "'{\"rope_type\": \"yarn\", \"factor\": 4}' serves 4x the trained positions (linear, "
+                             "dynamic, yarn, llama3, longrope; original_max_position_embeddings defaults to the "
+                             "model's max_position_embeddings)")
     spec = parser.add_argument_group("speculative decoding (the output stays the model's own: greedy is "
                                      "token-identical in float32 and for a lone request in bf16, sampling follows "
                                      "its distribution)")
@@ -88,6 +95,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["num_kv_blocks"] = args.num_kv_blocks
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    if args.rope_scaling is not None:
+        options["rope_scaling"] = args.rope_scaling
     options.update(speculative_model=args.speculative_model, speculative_method=args.speculative_method,
                    num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmaccel.model.layers import rope_inverse_frequencies
+from llmaccel.model.rope import rope_inverse_frequencies
 from llmaccel.model.spec import ModelSpec
 from llmaccel.spec.head_dir import HEAD_SECTION
 
@@ -63,8 +63,8 @@ class TrainableHead(nn.Module):
         self.proj = nn.ModuleDict({name.replace(".", "_"): nn.Linear(shape[1], shape[0], bias=False)
                                    for name, shape in shapes.items()})
         self.norms = nn.ParameterDict({name: nn.Parameter(torch.ones(hidden)) for name in (*_NORMS, "norm")})
-        self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_dim, spec.rope_theta, spec.rope_scaling),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_dim, spec.rope_theta, spec.rope_scaling,
+                                                                  spec.max_position_embeddings), persistent=False)
 
     def init_from(self, teacher, layer: int) -> None:
         """Start the decoder layer and the final norm from the teacher's (layer `layer` and its norm)."""

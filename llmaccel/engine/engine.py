@@ -7,6 +7,7 @@ queued, engine/request_checks.py; what a step's results do to their requests, en
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -56,6 +57,8 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
         checkpoint = load_checkpoint(config.model.model)
+        if config.model.rope_scaling is not None:  # --rope-scaling replaces the config's
+            checkpoint.spec = replace(checkpoint.spec, rope_scaling=dict(config.model.rope_scaling))
         self.spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
         self.hf_dir = checkpoint.hf_dir
@@ -73,6 +76,8 @@ class LLMEngine:
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
                                                  config.model.quant_group_size, config.model.quantize_embedding))
+        if config.model.rope_scaling is not None:
+            self.variant += f"|rope={json.dumps(config.model.rope_scaling, sort_keys=True)}"
         if self.kv_dtype != self.dtype:  # a quantized KV cache changes the numerics too
             self.variant += f"|kv={str(self.kv_dtype).removeprefix('torch.')}"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,

@@ -19,6 +19,7 @@ from llmaccel.engine.kv_cache_manager import cdiv
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.loader import LoadedCheckpoint, resolve_model_path
 from llmaccel.model.registry import model_class
+from llmaccel.model.rope import scaling_kind, servable_positions
 from llmaccel.model.spec import ModelSpec
 from llmaccel.ops.kv_int8 import bytes_per_element_row
 from llmaccel.platform import available_memory_bytes
@@ -63,9 +64,19 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KV
                          f"window and one window-long chunk), but the pool has {num_blocks}; raise "
                          "--kv-cache-memory or lower --kv-window")
     bounded = per_sequence is not None and per_sequence <= num_blocks
-    limits = [spec.max_position_embeddings] + ([] if bounded else [num_blocks * block_size])
-    if config.scheduler.max_model_len is not None:
-        limits.append(config.scheduler.max_model_len)
+    positions = servable_positions(spec.max_position_embeddings, spec.rope_scaling)
+    limits = [positions] + ([] if bounded else [num_blocks * block_size])
+    asked = config.scheduler.max_model_len
+    if asked is not None and asked > positions:
+        if spec.rope_scaling:
+            raise ValueError(f"--max-model-len {asked} is past the {positions} positions {config.model.model} serves "
+                             f"with its {scaling_kind(spec.rope_scaling)} RoPE scaling; raise its factor "
+                             "(--rope-scaling)")
+        raise ValueError(f"--max-model-len {asked} is past the {positions} positions {config.model.model} was trained "
+                         "for; a longer context needs a RoPE scaling that stretches them, e.g. --rope-scaling "
+                         f"'{{\"rope_type\": \"yarn\", \"factor\": {math.ceil(asked / positions)}}}'")
+    if asked is not None:
+        limits.append(asked)
     return KVLayout(num_blocks, block_size, bytes_per_token, window, sinks, min(limits))
 
 

@@ -204,7 +204,8 @@ class CausalLM(nn.Module):
 
     def build_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
         spec = self.spec
-        return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype).to(device)
+        return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype,
+                               spec.max_position_embeddings).to(device)
 
     @property
     def dtype(self) -> torch.dtype:

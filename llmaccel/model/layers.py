@@ -6,12 +6,11 @@ greedy outputs match it token for token.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmaccel.model.rope import rope_tables
 from llmaccel.ops.cpu_linear import (
     bf16_linear,
     pack_panels,
@@ -50,62 +49,13 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, residual, self.weight, self.eps), residual
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with the 'linear' and 'llama3' scalings of HF transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor (Llama 3's scaling as a GGUF file stores it)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    if kind == "longrope":  # the short factors; rope_tables takes the long ones past the original length
-        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope scaling {kind!r}; llmaccel supports default, linear, llama3, longrope and "
-                     "GGUF rope_freqs")
-
-
-def rope_tables(head_dim: int, max_positions: int, theta: float,
-                scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (cos, sin) [max_positions, head_dim] in HF's rotate-half layout. LongRoPE (Phi-3): positions within
-    `original_max_position_embeddings` rotate by the short factors, those past it by the long ones (HF switches
-    the new tokens' factors there too), both scaled by the attention factor HF derives."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * rope_inverse_frequencies(head_dim, theta, scaling)[None, :]
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    factor = 1.0
-    if kind == "longrope":
-        original = int(scaling["original_max_position_embeddings"])
-        inv_long = rope_inverse_frequencies(head_dim, theta, {"rope_type": "default"}) / torch.tensor(
-            scaling["long_factor"], dtype=torch.float32)
-        freqs[original:] = positions[original:, None] * inv_long[None, :]
-        factor = scaling.get("attention_factor")
-        if factor is None:
-            ratio = scaling.get("factor") or scaling["max_position_embeddings"] / original
-            factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1.0 else 1.0
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * factor, emb.sin() * factor
-
-
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
+        cos, sin = rope_tables(head_dim, max_positions, theta, scaling, max_position_embeddings)
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("sin", sin.to(dtype), persistent=False)
 

@@ -2,7 +2,7 @@
 
 Loaded, the layers are the Llama family's, so decode steps run the C++ decode stack as Llama's do. LongRoPE's
 short factors rotate positions within `original_max_position_embeddings`, the long ones those past it
-(model/layers.rope_tables). A partial rotary factor (Phi-4-mini) is refused: the kernels rotate whole heads.
+(model/rope.rope_tables). A partial rotary factor (Phi-4-mini) is refused: the kernels rotate whole heads.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class ModelConfig:
         return _dtype_from_name(self.dtype)
 
 
-ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3", "longrope")  # model/rope.py
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3", "longrope")  # what model/rope.py computes
 
 
 def check_rope_scaling(scaling: object) -> None:

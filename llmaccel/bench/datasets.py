@@ -70,3 +70,13 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
         text = tokenizer.decode([rng.choice(vocab) for _ in range(n)])
         requests.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), draw(output_len)))
     return requests
+
+
+def corpus_tokens(tokenizer, count: int, skip: int = 0) -> list[int]:
+    """Tokens skip .. skip + count of the built-in corpora (enwiki, then sanguo), repeated where they run short:
+    long prompts of real text for the long-context benchmarks."""
+    from llmaccel.data.corpora import load_corpus
+
+    ids = tokenizer.encode(load_corpus("enwiki") + load_corpus("sanguo"), add_special_tokens=False)
+    need = skip + count
+    return (ids * (need // len(ids) + 1))[skip:need]

@@ -52,19 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _chat_prompts(llm, count: int) -> list[list[int]]:
     from llmaccel.data.prompts import builtin_prompts
 
-    tokenizer = llm.tokenizer
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
-                                                           add_generation_prompt=True), add_special_tokens=False)
-            for p in builtin_prompts()[:count]]
+    return [llm.apply_chat_template([{"role": "user", "content": p.prompt}]) for p in builtin_prompts()[:count]]
 
 
 def _long_prompts(llm, length: int, count: int) -> list[list[int]]:
-    """`count` different `length`-token stretches of the built-in corpora (repeated where they run short)."""
-    from llmaccel.data.corpora import load_corpus
+    """`count` different `length`-token stretches of the built-in corpora."""
+    from llmaccel.bench.datasets import corpus_tokens
 
-    ids = llm.tokenizer.encode(load_corpus("enwiki") + load_corpus("sanguo"), add_special_tokens=False)
-    need = length * count
-    ids = (ids * (need // len(ids) + 1))[:need]
+    ids = corpus_tokens(llm.tokenizer, length * count)
     return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 

@@ -42,15 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
 
 
-def _text_tokens(tokenizer, count: int, skip: int) -> list[int]:
-    from llmaccel.data.corpora import load_corpus
-
-    ids = tokenizer.encode(load_corpus("enwiki") + load_corpus("sanguo"), add_special_tokens=False)
-    need = skip + count
-    ids = (ids * (need // len(ids) + 1))[:need]
-    return ids[skip:]
-
-
 def _serve(engine, ids: list[int], params) -> tuple[object, int]:
     """One request run to its end, and the most KV blocks in use at once while it ran."""
     engine.add_request(None, ids, params)
@@ -64,6 +55,7 @@ def _serve(engine, ids: list[int], params) -> tuple[object, int]:
 def _run_worker(args: argparse.Namespace) -> dict:
     import time
 
+    from llmaccel.bench.datasets import corpus_tokens
     from llmaccel.llm import LLM
     from llmaccel.platform import peak_rss_bytes
     from llmaccel.sampling_params import SamplingParams
@@ -78,7 +70,7 @@ def _run_worker(args: argparse.Namespace) -> dict:
     engine = llm.engine
     load = {"load_s": time.perf_counter() - started, "rss_after_load_gib": peak_rss_bytes() / 2**30}
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
-    document = _text_tokens(llm.tokenizer, args.tokens, 0)
+    document = corpus_tokens(llm.tokenizer, args.tokens)
     out, most = _serve(engine, document, params)
     metrics = out.metrics
     result = {**load, "max_model_len": engine.max_model_len, "kv_bytes_per_token": engine.bytes_per_block
@@ -89,7 +81,7 @@ def _run_worker(args: argparse.Namespace) -> dict:
                            "kv_written_gib": engine.memory_bytes["kv_pool_touched"] / 2**30,
                            "peak_rss_gib": peak_rss_bytes() / 2**30}}
     new_per_turn = args.tokens // max(1, args.turns - 1)
-    text = _text_tokens(llm.tokenizer, new_per_turn * args.turns, args.tokens)
+    text = corpus_tokens(llm.tokenizer, new_per_turn * args.turns, skip=args.tokens)
     history: list[int] = []
     turns = []
     for turn in range(args.turns):

@@ -13,7 +13,9 @@ import math
 
 import torch
 
-SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors")
+from llmaccel.config import ROPE_SCALINGS
+
+SUPPORTED = ("default", *ROPE_SCALINGS, "freq_factors")  # freq_factors: a GGUF file's rope_freqs
 
 
 def scaling_kind(scaling: dict | None) -> str:

@@ -178,13 +178,11 @@ class PagedAttention:
         if span.context_slots is None and k_cache.dtype == k.dtype:  # the chunk is the whole context
             keys = k[span.start:end].transpose(0, 1).unsqueeze(0)
             values = v[span.start:end].transpose(0, 1).unsqueeze(0)
-        elif span.context_slots is None:  # as quantized in the pool, as any later chunk or decode step sees them
-            slots = meta.slot_mapping[span.start:end]
+        else:  # read from the pool: earlier chunks are cached, and a quantized cache's keys are read as every later
+            # chunk and decode step reads them (its rows widened: this chunk's context only)
+            slots = meta.slot_mapping[span.start:end] if span.context_slots is None else span.context_slots
             keys = loaded(k_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
             values = loaded(v_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
-        else:  # earlier chunks are cached (a quantized cache's rows widened: this chunk's context only)
-            keys = loaded(k_cache[span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)
-            values = loaded(v_cache[span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)
         offset = span.context_len - span.num_tokens
         plain_causal = offset == 0 and (window is None or window >= span.num_tokens)
         if self.softcap is not None:

@@ -198,42 +198,23 @@ LLMACCEL_ONE_COPY void attend(const T* q_group, const int8_t* k_cache, const int
       out_group[h * head_dim + d] = llmaccel::round_to<T>(acc[h * head_dim + d] * scratch.inv_sum[h]);
 }
 
-// The next item's first rows requested into L2 while this one is attended (paged_attention.cpp measured why).
-void prefetch_rows(const int8_t* k_cache, const int8_t* v_cache, const int32_t* table, int64_t context_len,
-                   int64_t window, int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
-  constexpr int64_t kPrefetchRows = 256;
-  const int64_t head_stride = head_dim + kScaleBytes, row_stride = num_kv_heads * head_stride;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-  const int64_t last = std::min(context_len, first + kPrefetchRows);
-  for (int64_t t = first; t < last; ++t) {
-    const int64_t offset = (table[t / block_size] * block_size + t % block_size) * row_stride + kvh * head_stride;
-    for (int64_t o = 0; o < head_stride; o += 64) {
-      __builtin_prefetch(k_cache + offset + o, 0, 2);
-      __builtin_prefetch(v_cache + offset + o, 0, 2);
-    }
-  }
-}
-
 template <typename T>
 void decode_kernel(const T* q, int64_t q_stride, const int8_t* k_cache, const int8_t* v_cache,
                    const int32_t* block_tables, const int32_t* context_lens, T* out, int64_t num_seqs,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                    int64_t window, float scale, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    llmaccel::AttentionScratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
-      if (item + 1 < end) {
-        const int64_t next = (item + 1) / num_kv_heads;
-        prefetch_rows(k_cache, v_cache, block_tables + next * max_blocks, context_lens[next], window,
-                      (item + 1) % num_kv_heads, num_kv_heads, head_dim, block_size);
-      }
-      attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
-             context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale, softcap,
-             out + (seq * num_heads + kvh * group) * head_dim, scratch);
-    }
-  });
+  llmaccel::for_each_decode_item(
+      num_seqs, num_kv_heads,
+      [&](int64_t seq, int64_t kvh) {
+        llmaccel::prefetch_item_rows(k_cache, v_cache, block_tables + seq * max_blocks, context_lens[seq], window,
+                                     kvh, num_kv_heads, head_dim + kScaleBytes, block_size);
+      },
+      [&](int64_t seq, int64_t kvh, llmaccel::AttentionScratch& scratch) {
+        attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
+               context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale, softcap,
+               out + (seq * num_heads + kvh * group) * head_dim, scratch);
+      });
 }
 
 void check_int8_cache(const torch::Tensor& cache, int64_t head_dim) {
@@ -268,7 +249,8 @@ void llmaccel::attend_item(const bf16* q, const int8_t* k_cache, const int8_t* v
 void llmaccel::prefetch_item(const int8_t* k_cache, const int8_t* v_cache, const int32_t* table, int64_t len,
                              int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size) {
-  prefetch_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+  llmaccel::prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim + kScaleBytes,
+                               block_size);
 }
 
 // paged_decode_attention (paged_attention.cpp) for INT8 caches: q [S, H, D] float32 or bfloat16 (rows may

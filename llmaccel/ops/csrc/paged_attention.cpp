@@ -370,38 +370,16 @@ static LLMACCEL_ONE_COPY void attend(const scalar_t* q_group, const scalar_t* k_
       out_group[h * head_dim + d] = rounded_to<scalar_t>(acc[h * head_dim + d] * scratch.inv_sum[h]);
 }
 
-// An item's keys and values (its first kPrefetchRows rows), requested into L2 while the item before
-// it is attended: an item's own loop requests one block ahead, which left the first block a cold miss
-// row by row and kept too few requests in flight to cover memory's latency (a 64-sequence step's
-// attention read its KV at ~9 GB/s with blocks in no order; ~13 with this).
-constexpr int64_t kPrefetchRows = 256;
-
-template <typename scalar_t>
-static void prefetch_item_rows(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
-                                 int64_t context_len, int64_t window, int64_t kvh, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t block_size) {
-  const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-  const int64_t row_stride = num_kv_heads * head_dim, last = std::min(context_len, first + kPrefetchRows);
-  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t t = first; t < last; ++t) {
-    const int64_t offset = (table[t / block_size] * block_size + t % block_size) * row_stride + kvh * head_dim;
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + offset) + o, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + offset) + o, 0, 2);
-    }
-  }
-}
-
 void llmaccel::prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
                              int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size) {
-  prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+  llmaccel::prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
 }
 
 void llmaccel::prefetch_item(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len,
                              int64_t window, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size) {
-  prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
+  llmaccel::prefetch_item_rows(k_cache, v_cache, table, len, window, kv_head, num_kv_heads, head_dim, block_size);
 }
 
 void llmaccel::attend_item(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
@@ -426,22 +404,17 @@ static void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, int64_t window, float scale, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
-  // One work item is a (sequence, KV head) pair, so a lone sequence still spreads over the threads
-  // (one item a sequence left one core idle).
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    llmaccel::AttentionScratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
-      if (item + 1 < end) {
-        const int64_t next = (item + 1) / num_kv_heads;
-        prefetch_item_rows(k_cache, v_cache, block_tables + next * max_blocks, context_lens[next], window,
-                             (item + 1) % num_kv_heads, num_kv_heads, head_dim, block_size);
-      }
-      attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
-             context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale, softcap,
-             out + (seq * num_heads + kvh * group) * head_dim, scratch);
-    }
-  });
+  llmaccel::for_each_decode_item(
+      num_seqs, num_kv_heads,
+      [&](int64_t seq, int64_t kvh) {
+        llmaccel::prefetch_item_rows(k_cache, v_cache, block_tables + seq * max_blocks, context_lens[seq], window,
+                                     kvh, num_kv_heads, head_dim, block_size);
+      },
+      [&](int64_t seq, int64_t kvh, llmaccel::AttentionScratch& scratch) {
+        attend(q + seq * q_stride + kvh * group * head_dim, k_cache, v_cache, block_tables + seq * max_blocks,
+               context_lens[seq], window, kvh, group, num_kv_heads, head_dim, block_size, scale, softcap,
+               out + (seq * num_heads + kvh * group) * head_dim, scratch);
+      });
 }
 
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -112,6 +112,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "add_arguments", "run"),
     ("long-context", "long_context", "a 32k-token document and a chat past it with full attention, an INT8 KV cache, "
      "a KV window with sinks and both: KV written, peak RSS, prefill seconds, decode tok/s", "add_arguments", "run"),
+    ("kv-positions", "kv_positions", "perplexity far past a KV window (2x, 4x, 8x W) with the sinks at their "
+     "places in the cache (StreamingLLM) against in the text, beside the window read afresh", "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

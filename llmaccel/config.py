@@ -97,6 +97,7 @@ def check_rope_scaling(scaling: object) -> None:
         raise ValueError(f"rope_scaling: factor must be a positive number, got {factor!r}")
 
 
+KV_POSITIONS = ("cache", "absolute")  # where a KV window's kept keys sit (engine/kv_cache_manager.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")  # ops/kv_int8.py's formats
 _KV_CACHE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "fp8"}
 
@@ -117,6 +118,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse the KV of identical prompt prefixes (hashed full blocks)
     kv_window: int | None = None  # StreamingLLM: keep the last kv_window tokens of each sequence ...
     kv_sinks: int = 4  # ... and its first kv_sinks (attention sinks); blocks wholly between are freed
+    # with kv_window: where the kept keys sit. "cache": at their places in the cache (StreamingLLM), so a query never
+    # sees a sink farther away than the window; "absolute": at their places in the text
+    kv_positions: str = "cache"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float32, int8 or fp8 (ops/kv_int8.py)
 
     def __post_init__(self) -> None:
@@ -127,6 +131,8 @@ class CacheConfig:
             raise ValueError(f"kv_window must be at least the block size ({self.block_size}), got {self.kv_window}")
         if self.kv_sinks < 0:
             raise ValueError(f"kv_sinks must be >= 0, got {self.kv_sinks}")
+        if self.kv_positions not in KV_POSITIONS:
+            raise ValueError(f"unknown kv_positions {self.kv_positions!r}; choose cache or absolute")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.num_kv_blocks is None and self.kv_cache_memory < 1:

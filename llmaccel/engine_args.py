@@ -36,10 +36,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-window", type=int, metavar="W",
                         help="StreamingLLM: each sequence keeps the KV of its last W tokens (and its --kv-sinks "
                              "first ones); blocks the window has passed are freed, so KV memory per sequence stays "
-                             "flat however long the conversation (positions stay absolute, up to the model's own "
-                             "maximum)")
+                             "flat however long the conversation (see --kv-positions)")
     parser.add_argument("--kv-sinks", type=int, default=4, metavar="S",
                         help="with --kv-window: the first S tokens (attention sinks) always stay")
+    parser.add_argument("--kv-positions", choices=("cache", "absolute"), default="cache",
+                        help="with --kv-window: where the kept keys sit. cache (StreamingLLM): at their places in the "
+                             "cache, so no query sees a sink farther away than the sinks and the window, and a "
+                             "conversation may run past the model's trained length (--max-model-len); absolute: at "
+                             "their places in the text, so past the trained length the sinks drift farther away "
+                             "than the model has seen (bench kv-positions measures both)")
     parser.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,float32,int8,fp8}",
                         help="the KV cache's element type: auto (the model's --dtype); int8: each token's key and "
                              "value rows quantized per head with a float16 scale as they are written, so the same "
@@ -88,7 +93,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                   kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_cache_dtype=args.kv_cache_dtype,
+                   kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_positions=args.kv_positions,
+                   kv_cache_dtype=args.kv_cache_dtype,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

@@ -21,7 +21,8 @@ from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layer_taps import LayerTaps
-from llmaccel.ops.kv_int8 import row_width
+from llmaccel.model.rope import rope_inverse_frequencies, turn_keys
+from llmaccel.ops.kv_int8 import loaded, row_width, stored
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 from llmaccel.step_result import Sampled, StepResult, prompt_token_logprobs, sample_tokens, span_features, verify_drafts
 from llmaccel.structured.compiler import GrammarCompiler
@@ -64,6 +65,19 @@ class ModelRunner:
         (a partial prefix-cache hit, engine/kv_cache_manager.py)."""
         src, dst = source * self.block_size, target * self.block_size
         self.kv_slab[:, :, dst:dst + num_tokens].copy_(self.kv_slab[:, :, src:src + num_tokens])
+
+    def turn_sink_keys(self, sources: list[int], targets: list[int], delta: int) -> None:
+        """Copy blocks `sources` into `targets`, every layer's keys turned by `delta` positions and values as they
+        are (re-indexed attention sinks, engine/kv_cache_manager.py)."""
+        spec, block_size = self.model.spec, self.block_size
+        inv_freq = rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                                            spec.max_position_embeddings).to(self.device)
+        offsets = torch.arange(block_size, device=self.device)
+        src = (torch.tensor(sources, device=self.device)[:, None] * block_size + offsets).flatten()
+        dst = (torch.tensor(targets, device=self.device)[:, None] * block_size + offsets).flatten()
+        keys = turn_keys(loaded(self.kv_slab[:, 0, src], torch.float32), delta, inv_freq)
+        self.kv_slab[:, 0, dst] = stored(keys, self.kv_slab.dtype)
+        self.kv_slab[:, 1, dst] = self.kv_slab[:, 1, src]
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

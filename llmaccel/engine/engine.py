@@ -18,7 +18,7 @@ from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.guard_stage import Judgement, Verdict, build_guard_stage
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
-from llmaccel.engine.loading import kv_layout, load_model
+from llmaccel.engine.loading import check_reindexable, kv_layout, load_model, reindexes_sinks
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.request_checks import check_prompt, check_request
 from llmaccel.engine.request_group import RequestGroup, Sample
@@ -80,10 +80,15 @@ class LLMEngine:
             self.variant += f"|rope={json.dumps(config.model.rope_scaling, sort_keys=True)}"
         if self.kv_dtype != self.dtype:  # a quantized KV cache changes the numerics too
             self.variant += f"|kv={str(self.kv_dtype).removeprefix('torch.')}"
+        reindexed = reindexes_sinks(config, window, sinks)
+        if reindexed:  # a window's sinks at their places in the cache: other KV than the absolute form's
+            check_reindexable(model)
+            self.variant += "|sinks=cache"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,
-                                       window, sinks)
+                                       window, sinks, reindexed)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.kv_dtype, self.device)
+        self.kv_cache.turn_sink_keys = self.runner.turn_sink_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner.grammars = self.grammars
         self.scorer = SequenceScorer(self.runner, self.kv_cache)

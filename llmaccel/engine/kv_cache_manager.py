@@ -15,9 +15,18 @@ of a chat finds every token of the last one.
 With a KV window (StreamingLLM, `window` and `sinks`), a sequence keeps the blocks of its first
 `sinks` tokens and of its last `window` tokens; each block wholly between them is freed as soon as
 the window passes it, so a conversation of any length holds at most
-cdiv(sinks, block_size) + cdiv(window, block_size) + 1 blocks while it decodes. The block table
-stays dense (sink blocks, then window blocks), and positions stay absolute: keys are cached after
-RoPE, so the kept keys need no recomputation. A model whose every layer slides (Mistral's
+cdiv(sinks, block_size) + cdiv(window, block_size) + 1 blocks while it decodes (with re-indexed sinks,
+cdiv(sinks, block_size) more). The block table stays dense (sink blocks, then window blocks); keys are
+cached after RoPE, at their positions in the text, so the kept keys need no recomputation.
+
+Where a kept key sits (`reindex_sinks`, --kv-positions): with absolute positions a query at position p
+sees each sink p - j positions away, which grows past anything the model was trained on. StreamingLLM
+places every key at its index in the cache instead (Xiao et al. 2023, sec. 3.2). Window keys and the query
+shift by the same number of freed positions, delta, so their distances are unchanged and only the sinks
+move: once blocks are freed, the table's sink entries are private copies of the sink blocks with every key
+turned by delta more positions (RoPE's rotations compose), rewritten from the originals, which stay
+untouched for the prefix cache, each time the window frees more. That is exactly the cache-index form,
+with one extra rounding of the sink keys and no error that accumulates. A model whose every layer slides (Mistral's
 `sliding_window`) runs the same way with no sinks: its attention masks keys to the exact window, and
 the blocks before it are never read again. A windowed request admitted on a long cached prefix takes
 only the prefix blocks its window still reaches.
@@ -65,10 +74,15 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: str = "", window: int | None = None, sinks: int = 0) -> None:
+                 cache_salt: str = "", window: int | None = None, sinks: int = 0,
+                 reindex_sinks: bool = False) -> None:
         self.block_size = block_size
         self.window = window
         self.num_sink_blocks = cdiv(sinks, block_size) if window is not None else 0
+        self.reindex_sinks = reindex_sinks and self.num_sink_blocks > 0
+        # with reindex_sinks: (sources, targets, delta) copies the KV of blocks `sources` into `targets`, every key
+        # turned by `delta` positions (the runner's, set by the engine)
+        self.turn_sink_keys: Callable[[list[int], list[int], int], None] | None = None
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = hashlib.sha256(cache_salt.encode()).digest()
@@ -129,13 +143,18 @@ class KVCacheManager:
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
         kept, skipped = self._cut_to_window(cached.blocks, num_computed)
         unused_cached = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # these leave the free queue
-        if needed > self.pool.num_free_blocks - unused_cached:
+        # re-indexed sinks past the window: private copies of the sink blocks, turned
+        turned = self.num_sink_blocks if self.reindex_sinks and skipped and cached.blocks else 0
+        if max(needed, 0) + turned > self.pool.num_free_blocks - unused_cached:
             return None
         if cached.blocks:
             self.pool.touch(kept)
             request.block_ids = kept
             request.num_skipped_blocks = skipped
-        new_blocks = self.pool.allocate(max(needed, 0)) or []
+        new_blocks = self.pool.allocate(max(needed, 0) + turned) or []
+        if turned:
+            self._turn_sinks(request, new_blocks[:turned])
+            new_blocks = new_blocks[turned:]
         if cached.partial is not None:
             # the source's KV is intact even if this very allocation handed it out: nothing has run yet
             source, count = cached.partial
@@ -177,7 +196,8 @@ class KVCacheManager:
             position = self.table_index(request, index)
             if position is not None:
                 tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
-                self.pool.cache_block(request.block_ids[position], hashes[index], self._parent(hashes, index), tokens)
+                table = request.sink_block_ids if index < len(request.sink_block_ids) else request.block_ids
+                self.pool.cache_block(table[position], hashes[index], self._parent(hashes, index), tokens)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def table_index(self, request: Request, logical_block: int) -> int | None:
@@ -192,13 +212,25 @@ class KVCacheManager:
         """Free the blocks the window has passed (every block wholly between the sinks and the
         oldest token the next query may see)."""
         num_droppable = self._num_outside_window(request.num_computed_tokens, request.num_skipped_blocks)
-        if num_droppable == 0:
-            return
         start = self.num_sink_blocks
+        first_turn = self.reindex_sinks and not request.sink_block_ids
+        if num_droppable == 0 or (first_turn and num_droppable < start):
+            return  # re-indexed sinks first move when the blocks freed can hold their copies
         dropped = request.block_ids[start:start + num_droppable]
         del request.block_ids[start:start + num_droppable]
         request.num_skipped_blocks += num_droppable
         self.pool.free(list(reversed(dropped)))
+        if self.reindex_sinks:
+            self._turn_sinks(request, self.pool.allocate(start) if first_turn else request.block_ids[:start])
+
+    def _turn_sinks(self, request: Request, targets: list[int]) -> None:
+        """Point the request's sink entries at `targets` holding its sink blocks' KV with the keys turned by the
+        positions freed so far (the originals are kept aside on first use)."""
+        start = self.num_sink_blocks
+        if not request.sink_block_ids:
+            request.sink_block_ids = request.block_ids[:start]
+            request.block_ids[:start] = targets
+        self.turn_sink_keys(request.sink_block_ids, targets, request.num_skipped_blocks * self.block_size)
 
     @property
     def max_chunk(self) -> int | None:
@@ -215,8 +247,9 @@ class KVCacheManager:
             parent = self._parent(self._block_hashes(request, num_full), num_full)
             tokens = request.all_token_ids[num_full * self.block_size:request.num_computed_tokens]
             self.pool.cache_partial(request.block_ids[num_full], parent, tokens)
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free(list(reversed(request.block_ids)) + list(reversed(request.sink_block_ids)))
         request.block_ids = []
+        request.sink_block_ids = []
         request.num_cached_blocks = 0
         request.num_skipped_blocks = 0
 

@@ -40,6 +40,22 @@ class KVLayout:
     max_model_len: int
 
 
+def reindexes_sinks(config: EngineConfig, window: int | None, sinks: int) -> bool:
+    """Whether a KV window's sinks move to their places in the cache (--kv-positions cache,
+    engine/kv_cache_manager.py); with no sinks the two forms are the same."""
+    return window is not None and sinks > 0 and config.cache.kv_positions == "cache"
+
+
+def check_reindexable(model: CausalLM) -> None:
+    """ValueError unless every key can be turned to a new position by a rotation (--kv-positions cache)."""
+    if model.rotary is None:
+        raise ValueError(f"{model.spec.architecture} has learned absolute positions, not RoPE, so its keys cannot "
+                         "move to their places in the cache; pass --kv-positions absolute")
+    if scaling_kind(model.spec.rope_scaling) == "longrope":
+        raise ValueError("LongRoPE changes its frequencies at the original length, so a key cannot be turned to a "
+                         "new position by one rotation; pass --kv-positions absolute")
+
+
 def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KVLayout:
     """The pool's blocks and the longest sequence it serves, its elements in `storage` (ops/kv_int8.py).
     Raises ValueError when the pool holds no block or the KV window cannot work (the model slides on its own,
@@ -57,8 +73,10 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KV
                          f"{spec.num_layers} layers); --kv-window is for models with full attention")
     if window is None and spec.kv_window:  # every layer slides: free the blocks the window has passed
         window, sinks = spec.kv_window, 0
+    reindexed = reindexes_sinks(config, window, sinks)
     # a windowed sequence holds a bounded number of blocks, so only the positions limit its length
-    per_sequence = cdiv(sinks, block_size) + 2 * cdiv(window, block_size) + 1 if window else None
+    per_sequence = (cdiv(sinks, block_size) * (2 if reindexed else 1) + 2 * cdiv(window, block_size) + 1
+                    if window else None)
     if config.cache.kv_window is not None and per_sequence > num_blocks:
         raise ValueError(f"--kv-window {window} needs up to {per_sequence} KV blocks per sequence (sinks, "
                          f"window and one window-long chunk), but the pool has {num_blocks}; raise "
@@ -67,7 +85,11 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KV
     positions = servable_positions(spec.max_position_embeddings, spec.rope_scaling)
     limits = [positions] + ([] if bounded else [num_blocks * block_size])
     asked = config.scheduler.max_model_len
-    if asked is not None and asked > positions:
+    if asked is not None and asked > positions and window is not None:
+        # re-indexed, no query sees a key farther away than the sinks and the window; absolute, the sinks drift
+        # past the trained distances (bench kv-positions measures what that costs)
+        limits = [asked]
+    elif asked is not None and asked > positions:
         if spec.rope_scaling:
             raise ValueError(f"--max-model-len {asked} is past the {positions} positions {config.model.model} serves "
                              f"with its {scaling_kind(spec.rope_scaling)} RoPE scaling; raise its factor "

@@ -50,6 +50,7 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
         self.num_skipped_blocks = 0  # with a KV window: blocks freed between the sinks and the window
+        self.sink_block_ids: list[int] = []  # re-indexed sinks: the originals (block_ids holds turned copies)
         self.num_preemptions = 0
         self.confidence_sum = 0.0  # top probabilities of its sampling distributions (when the engine records them)
         self.stop_reason: str | int | None = None

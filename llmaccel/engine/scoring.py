@@ -79,7 +79,7 @@ class SequenceScorer:
                 count = min(chunk, len(token_ids) - request.num_computed_tokens)
                 if self.kv_cache.allocate_slots(request, count) is None:
                     raise RuntimeError("not enough free KV blocks to score this text now; retry when requests finish")
-                self.last_blocks = max(self.last_blocks, len(request.block_ids))
+                self.last_blocks = max(self.last_blocks, len(request.block_ids) + len(request.sink_block_ids))
                 on_chunk(request, count)
                 request.num_computed_tokens += count
                 self.kv_cache.release_outside_window(request)

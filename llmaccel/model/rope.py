@@ -120,6 +120,16 @@ def attention_factor(scaling: dict | None, max_position_embeddings: int) -> floa
     return 1.0
 
 
+def turn_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """float32 keys [..., D] rotated for position p (rotate-half layout) turned to position p + delta: RoPE's
+    rotations compose, R(p + delta) = R(delta) R(p), under every scaling whose frequencies do not depend on the
+    position (not LongRoPE). Any attention factor is already in the keys, so the turn is a pure rotation."""
+    angles = delta * inv_freq.double()
+    cos, sin = torch.cat((angles.cos(), angles.cos())).float(), torch.cat((angles.sin(), angles.sin())).float()
+    half = keys.shape[-1] // 2
+    return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), dim=-1) * sin
+
+
 def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                 max_position_embeddings: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (cos, sin) [max_positions, head_dim] in HF's rotate-half layout. LongRoPE (Phi-3): positions within

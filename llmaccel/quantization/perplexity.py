@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score through a StreamingLLM KV window: each --ctx window goes through in W-token "
                              "chunks that see only the --kv-sinks first tokens and the last W")
     parser.add_argument("--kv-sinks", type=int, default=4, metavar="S", help="attention sinks kept with --kv-window")
+    parser.add_argument("--kv-positions", choices=("cache", "absolute"), default="cache",
+                        help="with --kv-window: the kept keys at their places in the cache (StreamingLLM) or in the "
+                             "text")
     parser.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,int8}",
                         help="the KV cache's element type (int8: every window's keys and values are scored as the "
                              "INT8 cache holds them)")
@@ -113,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for label, options in variants.items():
         llm = _load(args.model, options)
-        if label == "fp32":  # the unquantized reference runs in the model's dtype: bfloat16 where `auto` picks it
-            label = f"unquantized ({str(llm.engine.dtype).removeprefix('torch.')})"
+        if label.startswith("fp32"):  # unquantized runs in the model's dtype: bfloat16 where `auto` picks it
+            label = f"unquantized ({str(llm.engine.dtype).removeprefix('torch.')})" + label.removeprefix("fp32")
         row = {"variant": label, "weight_bytes": weight_bytes(llm.engine.runner.model)}
         for name, text in texts.items():
             result = perplexity(llm.engine, text, args.max_tokens, args.ctx, args.stride, not args.no_progress)
@@ -142,11 +145,12 @@ def _variants(args: argparse.Namespace) -> dict[str, dict]:
         options = {"quantization": args.quantization, "quant_group_size": args.quant_group_size,
                    "quantize_embedding": args.quantize_embedding or None, "kv_window": args.kv_window,
                    "kv_sinks": args.kv_sinks if args.kv_window else None,
+                   "kv_positions": args.kv_positions if args.kv_window else None,
                    "kv_cache_dtype": args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None}
         saved = read_quantization_config(path) if path.is_dir() else None
         label = args.quantization or (f"{saved['method']} (saved)" if saved else "fp32")
         label += "+emb8" if args.quantize_embedding else ""
-        label += f" kv-window {args.kv_window}" if args.kv_window else ""
+        label += f" kv-window {args.kv_window} ({args.kv_positions} positions)" if args.kv_window else ""
         label += f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
         return {label: {k: v for k, v in options.items() if v is not None}}
     is_gguf = path.suffix.lower() == ".gguf"

@@ -144,6 +144,8 @@ def test_an_int8_cache_turns_its_sinks_within_the_quantization_error(one_layer_d
 def test_bad_position_settings_are_named_errors(one_layer_dir, tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match="unknown kv_positions 'relative'"):
         LLM(str(one_layer_dir), kv_window=WINDOW, kv_positions="relative")
+    with pytest.raises(ValueError, match="--kv-sinks 0: a model trained with full attention leans on its first"):
+        LLM(str(one_layer_dir), kv_window=WINDOW, kv_sinks=0)
     with pytest.raises(ValueError, match="past the 4096 positions .* was trained for"):
         LLM(str(one_layer_dir), max_model_len=8192)
     # with a window the sequence may outrun the trained positions (re-indexed, no query sees past the window)

@@ -71,6 +71,10 @@ def kv_layout(config: EngineConfig, spec: ModelSpec, storage: torch.dtype) -> KV
         raise ValueError(f"{config.model.model} attends within its own sliding window of "
                          f"{spec.sliding_window} tokens ({len(spec.sliding_layers)} of "
                          f"{spec.num_layers} layers); --kv-window is for models with full attention")
+    if window is not None and sinks == 0:
+        raise ValueError(f"--kv-window {window} with --kv-sinks 0: a model trained with full attention leans on its "
+                         "first tokens (attention sinks), and without them its perplexity breaks down once the window "
+                         "passes them (StreamingLLM); keep --kv-sinks >= 1 (4 is the default)")
     if window is None and spec.kv_window:  # every layer slides: free the blocks the window has passed
         window, sinks = spec.kv_window, 0
     reindexed = reindexes_sinks(config, window, sinks)

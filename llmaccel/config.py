@@ -293,6 +293,7 @@ class ServerConfig:
     cascade_threshold: float | None = None  # ... and the model answers when its confidence is below this
     cascade_decide_tokens: int = 32  # the confidence: mean log-probability of the small answer's first N tokens
     tool_call_parser: str = "hermes"  # reads tool calls out of the model's text (structured/tool_parsers.py)
+    pooling: str = "auto"  # /v1/embeddings: last, mean, or auto (the model's sentence-transformers config, else last)
     ui: bool = True  # the web page at /ui (playground, dashboard, benchmarks)
     ui_results_dir: str | None = None  # benchmark result JSON files the page may list and draw
 
@@ -332,6 +333,8 @@ class ServerConfig:
 
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+        if self.pooling not in ("auto", "last", "mean"):
+            raise ValueError(f"unknown pooling {self.pooling!r}; choose auto, last or mean")
         if self.cascade_decide_tokens < 1:
             raise ValueError(f"the cascade must decide on at least 1 token, got {self.cascade_decide_tokens}")
         for name in ("rate_limit_requests", "rate_limit_tokens"):

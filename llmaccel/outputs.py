@@ -49,3 +49,4 @@ class RequestOutput:
     error: str | None = None  # why the engine failed this request (finish reason "error"), else None
     blocked: str | None = None  # why the semantic guard blocked it (finish reason "content_filter"), else None
     guard: tuple[str, float] | None = None  # the semantic guard's (verdict, score), once judged
+    embedding: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling), once pooled

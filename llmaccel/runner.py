@@ -24,7 +24,15 @@ from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.rope import rope_inverse_frequencies, turn_keys
 from llmaccel.ops.kv_int8 import loaded, row_width, stored
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
-from llmaccel.step_result import Sampled, StepResult, prompt_token_logprobs, sample_tokens, span_features, verify_drafts
+from llmaccel.step_result import (
+    Sampled,
+    StepResult,
+    pool_embeddings,
+    prompt_token_logprobs,
+    sample_tokens,
+    span_features,
+    verify_drafts,
+)
 from llmaccel.structured.compiler import GrammarCompiler
 
 
@@ -111,22 +119,26 @@ class ModelRunner:
         judged = self.guard.observe(pieces, taps) if taps is not None else {}
         kept_features = span_features(hidden, spans) if features else {}
         prompt_logprobs = prompt_token_logprobs(self.model, self.sampler, hidden, spans)
+        embeddings = pool_embeddings(hidden, spans, {rid for rid, item in by_request.items() if item.samples}) \
+            if any(span.request.params.pooling for span in spans) else {}
         # rows to sample, of the spans that reach their request's last token: every row of a rows span
         # (a draft's verdict needs the target's token there), the last row of a chunk
         sample_rows: list[int] = []
         sampled_spans: list[tuple[Span, int]] = []
-        offset = 0
+        end = 0  # the row after the span's last
         for span in spans:
+            end += len(span.token_ids)
             judgement = judged.get(span.request.request_id)
             if judgement is not None and judgement.verdict is Verdict.BLOCK:
                 continue  # judged before its first token: never sampled
+            if span.request.params.pooling is not None:
+                continue  # an embedding request: pooled, never sampled
             if by_request[span.request.request_id].samples:
                 count = len(span.token_ids) if span.as_rows else 1
                 sampled_spans.append((span, len(sample_rows)))
-                sample_rows.extend(range(offset + len(span.token_ids) - count, offset + len(span.token_ids)))
-            offset += len(span.token_ids)
+                sample_rows.extend(range(end - count, end))
         if not sampled_spans:
-            return StepResult({}, {}, kept_features, prompt_logprobs, judged)
+            return StepResult({}, {}, kept_features, prompt_logprobs, judged, embeddings)
         device = self.device
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
@@ -174,7 +186,7 @@ class ModelRunner:
                                                             rows[first:first + count], results)
             except Exception as exc:
                 failed[request.request_id] = exc
-        return StepResult(sampled, failed, kept_features, prompt_logprobs, judged)
+        return StepResult(sampled, failed, kept_features, prompt_logprobs, judged, embeddings)
 
     def _start_masks(self, output: SchedulerOutput, drafts: Mapping[str, list[int]]
                      ) -> tuple[dict[str, int], Future] | None:

@@ -12,6 +12,7 @@ from llmaccel.structured.params import StructuredOutputsParams
 # Temperatures below this sample greedily (as vLLM): dividing logits by ~1e-30 overflows to inf.
 GREEDY_BELOW = 1e-5
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+POOLINGS = ("last", "mean")  # how an embedding request pools its prompt's final hidden states
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class SamplingParams:
     # the output must match a JSON schema, regex, choice or grammar (vLLM's structured_outputs); a dict
     # of StructuredOutputsParams' fields is taken too
     structured_outputs: StructuredOutputsParams | None = None
+    # an embedding request (/v1/embeddings): no token is generated; the prompt's final hidden states are pooled,
+    # "last" (the last token's) or "mean" (every token's: no prefix-cache hit), and L2-normalized
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):
@@ -92,6 +96,10 @@ class SamplingParams:
         if len({token for token, _ in biases}) != len(biases):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(biases)))
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.pooling is not None and self.n != 1:
+            raise ValueError("an embedding request (pooling) has one result: n must be 1")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got "
                              f"{type(self.structured_outputs).__name__}")

@@ -31,6 +31,8 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
     # with a semantic guard: request id -> its judgement, for each request whose prompt ended this step
     judged: dict[str, Judgement] = field(default_factory=dict)
+    # embedding requests whose prompt ended this step: request id -> its pooled, L2-normalized vector
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 def sample_tokens(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], confidence: bool
@@ -93,6 +95,27 @@ def prompt_token_logprobs(model: CausalLM, sampler: Sampler, hidden: torch.Tenso
                     token = request.all_token_ids[span.start + lo + j + 1]
                     items.append(sampler.logprob_of(row, token, top_n, rank=True))
             out[request.request_id] = (span.start + 1, items)
+        offset += count
+    return out
+
+
+def pool_embeddings(hidden: torch.Tensor, spans: list[Span], ending: set[str]) -> dict[str, list[float]]:
+    """Fold each embedding request's rows of `hidden` into its pooled state (the sum for "mean", the last
+    row for "last"; a prompt may run in several chunks), and give the normalized vector of those whose
+    prompt ends this step (`ending`), in float32."""
+    out, offset = {}, 0
+    for span in spans:
+        count, request = len(span.token_ids), span.request
+        pooling = request.params.pooling
+        if pooling is not None:
+            rows = hidden[offset:offset + count].float()
+            if pooling == "mean":
+                request.pooled = rows.sum(0) if request.pooled is None else request.pooled + rows.sum(0)
+            else:
+                request.pooled = rows[-1].clone()  # the decode stack reuses its output buffer
+            if request.request_id in ending:
+                vector = request.pooled / request.num_prompt_tokens if pooling == "mean" else request.pooled
+                out[request.request_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
         offset += count
     return out
 

@@ -100,7 +100,7 @@ def test_prompt_over_the_context_window_says_how_long(server):
 
 
 def test_unknown_routes_and_methods(server):
-    assert error_of(httpx.post(server.url + "/v1/embeddings", json={}), 404)["code"] == "not_found"
+    assert error_of(httpx.post(server.url + "/v1/audio/speech", json={}), 404)["code"] == "not_found"
     assert error_of(httpx.get(server.url + CHAT), 405)["code"] == "method_not_allowed"
 
 

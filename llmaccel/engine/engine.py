@@ -319,6 +319,13 @@ class LLMEngine:
                                          time.perf_counter() - began, caught_up=caught_up)
         for request_id, judgement in results.judged.items():
             self._judged(request_id, judgement, changed)
+        for request_id, vector in results.embeddings.items():  # an embedding request ends with its prompt
+            group = self._sample_to_group[request_id]
+            request = group.samples[0].request
+            if not request.is_finished:
+                request.embedding = vector
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                changed[group.request_id] = group
         for request_id, exc in failed.items():
             group = self._sample_to_group[request_id]
             if group.error is not None:  # a sibling's failure ended its group already

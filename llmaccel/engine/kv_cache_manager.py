@@ -106,7 +106,8 @@ class KVCacheManager:
         found = CachedPrefix()
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return found
-        if request.params.prompt_logprobs is not None:  # every prompt position must run (as in vLLM)
+        if request.params.prompt_logprobs is not None or request.params.pooling == "mean":
+            # every prompt position must run (as in vLLM)
             return found
         last = request.num_tokens - 1  # tokens that may come from the cache
         hashes = self._block_hashes(request, last // self.block_size)

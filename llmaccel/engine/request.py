@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from llmaccel.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +54,8 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
         self.num_skipped_blocks = 0  # with a KV window: blocks freed between the sinks and the window
+        self.pooled: torch.Tensor | None = None  # an embedding request: the sum (mean) or last row so far
+        self.embedding: list[float] | None = None  # ... and its vector, once its prompt has run
         self.sink_block_ids: list[int] = []  # re-indexed sinks: the originals (block_ids holds turned copies)
         self.num_preemptions = 0
         self.confidence_sum = 0.0  # top probabilities of its sampling distributions (when the engine records them)

@@ -69,7 +69,8 @@ class RequestGroup:
                              outputs=completions, finished=self.finished, metrics=self.metrics,
                              num_cached_tokens=self.samples[0].request.num_cached_tokens, error=self.error,
                              blocked=self.blocked, guard=_judgement(self.samples[0].request),
-                             prompt_logprobs=_copy(self.samples[0].request.prompt_logprobs))
+                             prompt_logprobs=_copy(self.samples[0].request.prompt_logprobs),
+                             embedding=self.samples[0].request.embedding)
 
 
 def _judgement(request: Request) -> tuple[str, float] | None:

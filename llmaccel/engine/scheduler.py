@@ -130,6 +130,7 @@ class Scheduler:
         self.kv_cache.free(request, keep_tail=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.pooled = None  # an embedding request pools again from its first token
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -32,7 +32,7 @@ from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.output_guard import GuardConfig, OutputGuard
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
-from llmaccel.server import openapi, tokenizing
+from llmaccel.server import embeddings, openapi, tokenizing
 from llmaccel.server import protocol as p
 from llmaccel.server.answer import answer
 from llmaccel.server.answer_checks import AnswerChecks
@@ -213,6 +213,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         return await answer(serving(), body, model_for(body.model), request, state)
+
+    @api.post("/embeddings", response_model=embeddings.EmbeddingResponse,
+              responses=openapi.errors(400, *auth_errors, 413, 429, 500, 503, 504))
+    async def create_embeddings(body: embeddings.EmbeddingRequest) -> embeddings.EmbeddingResponse:
+        served = serving()
+        pooling = embeddings.model_pooling(config.pooling, getattr(served.engine.engine, "hf_dir", None))
+        return await embeddings.embed(served, body, model_for(body.model), pooling)
 
     app.include_router(api)
 

@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an anomalous answer is generated again up to this many times at a higher temperature; "
                              "if every try is anomalous the closest one is served, flagged (x-llmaccel-guard)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    parser.add_argument("--pooling", default="auto", choices=("auto", "last", "mean"),
+                        help="how /v1/embeddings pools the model's final hidden states into one vector (then "
+                             "L2-normalized): last token, mean over tokens, or auto: the model directory's "
+                             "sentence-transformers pooling config (1_Pooling/config.json) where it has one, else last")
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="how tool calls are read out of the model's text when tool_choice is auto: 'hermes' "
                              "reads <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Hermes 2 Pro, "
@@ -189,7 +193,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         guard_confidence=args.guard_confidence, guard_kl=args.guard_kl,
                         guard_retries=args.guard_retries, cascade_small=args.cascade_small,
                         cascade_threshold=args.cascade_threshold, cascade_decide_tokens=args.cascade_decide_tokens,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, pooling=args.pooling)
 
 
 class _DrainingServer(uvicorn.Server):

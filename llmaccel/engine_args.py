@@ -51,6 +51,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "--kv-cache-memory holds ~1.9x the tokens (read by the attention kernels as they are); "
                              "fp8 (e4m3): CUDA GPUs with fp8 only; bf16/float32 must be the model's dtype")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="fcfs: requests in arrival order; priority: a request's `priority` (lower first, as "
+                             "vLLM), a running request preempted for a waiting one of higher priority, and each "
+                             "step's token budget shared fairly between clients (API keys, else addresses)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int,
                         help="context window (default: the model's, capped by the KV budget); past the positions the "
@@ -95,7 +99,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                    kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_positions=args.kv_positions,
                    kv_cache_dtype=args.kv_cache_dtype,
-                   max_num_seqs=args.max_num_seqs,
+                   max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:
         options["num_kv_blocks"] = args.num_kv_blocks

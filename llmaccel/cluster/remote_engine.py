@@ -119,9 +119,11 @@ class ReplicatedEngine:
         return int(self.engine._sum("waiting"))
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    timeout: float | None = None, arrival_time: float | None = None) -> RequestStream:
+                    timeout: float | None = None, arrival_time: float | None = None, priority: int = 0,
+                    owner: str = "") -> RequestStream:
         """As AsyncEngine.add_request: raises before sending anything if the request is invalid, the
-        replicas' queues are full or the cluster is shut down."""
+        replicas' queues are full or the cluster is shut down. The replicas schedule in arrival order: `priority`
+        and `owner` are not forwarded yet."""
         if not self._alive:
             raise EngineDeadError("the replicas are not running")
         self.engine.check_request(prompt_token_ids, params)

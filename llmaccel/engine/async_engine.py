@@ -117,7 +117,8 @@ class AsyncEngine(EngineThread):
         return self._pending_adds + self.engine.num_waiting_seqs
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    timeout: float | None = None, arrival_time: float | None = None) -> RequestStream:
+                    timeout: float | None = None, arrival_time: float | None = None, priority: int = 0,
+                    owner: str = "") -> RequestStream:
         """Queue a request and return its stream. Raises before queueing anything if the prompt is
         invalid (InvalidRequestError), the waiting queue is full (EngineOverloadedError) or the
         engine is not running (EngineDeadError)."""
@@ -138,7 +139,7 @@ class AsyncEngine(EngineThread):
             self._pending_adds += params.n
             self._streams[request_id] = stream
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params,
-                                       arrival_time if arrival_time is not None else time.time()))
+                                       arrival_time if arrival_time is not None else time.time(), priority, owner))
             self._cond.notify()
         return stream
 

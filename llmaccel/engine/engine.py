@@ -136,9 +136,10 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0, owner: str = "") -> str:
         """Validate and queue a request. Raises InvalidRequestError (a ValueError) naming the problem;
-        nothing is queued then, and every other request carries on."""
+        nothing is queued then, and every other request carries on. `priority` (lower first) and `owner` (who sent
+        it) count with --scheduling-policy priority (engine/priority_scheduling.py)."""
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -156,7 +157,8 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:  # different but reproducible samples
                 sample_params = replace(params, seed=params.seed + i, n=1)
             sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival)
+            request = Request(sample_id, token_ids, sample_params, self.spec.eos_token_ids, max_tokens, arrival,
+                              priority, owner)
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.matcher(params.structured_outputs)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)

@@ -44,6 +44,8 @@ class AddCommand:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class EngineThread:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        command.arrival_time)
+                                        command.arrival_time, command.priority, command.owner)
             except Exception as exc:  # validated already; deliver anything unexpected to its stream
                 self._loop.call_soon_threadsafe(self._deliver_to, command.request_id, exc)
             finally:

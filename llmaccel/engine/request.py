@@ -39,8 +39,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, priority: int = 0, owner: str = "") -> None:
         self.request_id = request_id
+        self.priority = priority  # with the priority policy: lower first
+        self.owner = owner  # who sent it (an API key's client id): the priority policy shares the budget by owner
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

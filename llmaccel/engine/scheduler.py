@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.priority_scheduling import schedule_by_priority
 from llmaccel.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy = config.policy  # fcfs here; priority in engine/priority_scheduling.py
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -77,6 +79,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.policy == "priority":
+            schedule_by_priority(self, out)
+            return out
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -126,7 +131,7 @@ class Scheduler:
         limit = self.kv_cache.max_chunk
         return min(remaining, budget) if limit is None else min(remaining, budget, limit)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, for_priority: bool = False) -> None:
         self.kv_cache.free(request, keep_tail=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -134,7 +139,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        if self.num_preemptions % PREEMPTION_WARNING_EVERY == 1:
+        if for_priority:
+            logger.info("request %s (priority %d) preempted for a request of higher priority; it will recompute its "
+                        "%d tokens", request.request_id, request.priority, request.num_tokens)
+        elif self.num_preemptions % PREEMPTION_WARNING_EVERY == 1:
             logger.warning("request %s preempted: the KV cache is full, so it will recompute its %d tokens "
                            "(%d preemptions so far); raise --kv-cache-memory or lower --max-num-seqs",
                            request.request_id, request.num_tokens, self.num_preemptions)

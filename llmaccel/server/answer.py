@@ -44,7 +44,7 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
                        rejected="rate_limited")
     prompt_param = "messages" if hasattr(body, "messages") else "prompt"
     try:
-        job = serving.submit(body, model)
+        job = serving.submit(body, model, client)
     except ContentFilterError as exc:
         raise _filtered(exc, prompt_param) from None
     except EngineOverloadedError as exc:

@@ -96,6 +96,8 @@ class _Request(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids in [0, vocab).")
     skip_special_tokens: bool | None = True
     prompt_logprobs: int | None = R["prompt_logprobs"].field(None)
+    priority: int | None = Field(0, ge=-(2**31), lt=2**31, description="With --scheduling-policy priority: lower "
+                                                                      "values are served first (vLLM's).")
     # llmaccel: false keeps this request out of the result cache (neither answered from it nor stored)
     result_cache: bool | None = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields

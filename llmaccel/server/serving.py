@@ -128,8 +128,9 @@ class OpenAIServing:
             structured_outputs=tools.constraint if tools is not None and tools.constraint is not None
             else request.output_constraint)
 
-    def submit(self, request: AnyRequest, model: str) -> Job:
-        """Tokenize, validate and queue every prompt; all or nothing. Raises before any output."""
+    def submit(self, request: AnyRequest, model: str, owner: str = "") -> Job:
+        """Tokenize, validate and queue every prompt; all or nothing. Raises before any output. `owner`: who sent
+        it, for the priority policy's fair share."""
         if request.unknown_fields:
             logger.warning("ignoring unknown request field(s): %s", quoted(request.unknown_fields))
         if isinstance(request, p.CompletionRequest):  # token ids are checked before anything decodes them
@@ -147,7 +148,8 @@ class OpenAIServing:
         outcomes: list[str] = []
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-                stream, outcome = self._open(ids, sp, f"{response_id}-{i}", request.result_cache)
+                stream, outcome = self._open(ids, sp, f"{response_id}-{i}", request.result_cache,
+                                             request.priority or 0, owner)
                 streams.append(stream)
                 outcomes.append(outcome)
         except BaseException:
@@ -159,27 +161,31 @@ class OpenAIServing:
             else "miss"
         return Job(request, response_id, model, streams, trackers, prompts, params, cache, tools=tools)
 
-    def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool) -> tuple[Stream, str]:
+    def _open(self, ids: list[int], params: SamplingParams, request_id: str, use_cache: bool, priority: int = 0,
+              owner: str = "") -> tuple[Stream, str]:
         """The stream of one prompt: a cache hit's replay, a subscription to an identical request in
         flight, or a new engine request. Also says which: hit, miss or bypass."""
         if self.result_cache is None or not use_cache or not is_cacheable(params):
-            return self._engine_request(ids, params, request_id), "bypass"
+            return self._engine_request(ids, params, request_id, priority, owner), "bypass"
         key = cache_key(self.variant, ids, params)
         stored = self.result_cache.get(key)
         if stored is not None:
             return ReplayStream(request_id, stored), "hit"
         flight = self._flights.get(key)
         if flight is None:
-            flight = SharedFlight(key, self._engine_request(ids, params, request_id), self.result_cache, self._flights)
+            stream = self._engine_request(ids, params, request_id, priority, owner)
+            flight = SharedFlight(key, stream, self.result_cache, self._flights)
         else:
             self.metrics.result_cache_shared.inc()
         return flight.subscribe(request_id, self.request_timeout), "miss"
 
-    def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream | CascadeStream:
-        if self.cascade is not None:
+    def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
+                        owner: str = "") -> RequestStream | CascadeStream:
+        if self.cascade is not None:  # the cascade's two models schedule in arrival order
             stream = self.cascade.open(ids, params, request_id, self.request_timeout)
         else:
-            stream = self.engine.add_request(ids, params, request_id, self.request_timeout)
+            stream = self.engine.add_request(ids, params, request_id, self.request_timeout, priority=priority,
+                                             owner=owner)
         self.metrics.engine_requests.inc()
         return stream
 

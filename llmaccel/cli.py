@@ -114,6 +114,8 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "a KV window with sinks and both: KV written, peak RSS, prefill seconds, decode tok/s", "add_arguments", "run"),
     ("kv-positions", "kv_positions", "perplexity far past a KV window (2x, 4x, 8x W) with the sinks at their "
      "places in the cache (StreamingLLM) against in the text, beside the window read afresh", "add_arguments", "run"),
+    ("priority", "priority", "a high-priority request's TTFT behind a queue of low-priority ones, and a light API "
+     "key's beside a heavy key's 10x flood: --scheduling-policy priority against fcfs", "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

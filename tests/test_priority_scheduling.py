@@ -50,8 +50,9 @@ def test_a_higher_priority_arrival_preempts_the_worst_running_request_and_an_equ
     assert ids(out) == ["low1", "low2"] and out.preempted == []
     sched.add_request(request("high", 0, arrival=4.0))
     out = sched.schedule()
-    # high goes first; low2 (the worst: priority 5, latest) gives up its sequence slot and block 1
-    assert ids(out) == ["high", "low1"] and [r.request_id for r in out.preempted] == ["low2"]
+    # high goes first, alone (its prompt runs: nothing worse shares the step); low2 (the worst: priority 5,
+    # latest) gives up its sequence slot and block 1
+    assert ids(out) == ["high"] and [r.request_id for r in out.preempted] == ["low2"]
     assert sched.running[-1].block_ids == [1] and low2.block_ids == [] and low2.num_computed_tokens == 0
 
 
@@ -70,15 +71,17 @@ def test_owners_share_the_token_budget_in_turn():
 
 def test_a_running_request_short_of_blocks_preempts_the_worst_one_not_yet_scheduled():
     sched = make(num_blocks=2, max_num_seqs=2)
-    good, bad = request("good", 0, arrival=2.0), request("bad", 3, arrival=1.0)
+    bad = request("bad", 3, arrival=1.0)
     sched.add_request(bad)
+    sched.update(sched.schedule(), {"bad": [7]})
+    good = request("good", 0, arrival=2.0)
     sched.add_request(good)
-    sched.schedule()
-    assert good.block_ids == [0] and bad.block_ids == [1]
-    sched.update(sched.schedule(), {"good": [7], "bad": [7]})  # 4 prompt tokens computed, the first token out
-    out = sched.schedule()  # good's fifth token needs a second block: bad (worse) gives back block 1
+    out = sched.schedule()
+    assert ids(out) == ["good"] and bad.block_ids == [0] and good.block_ids == [1]  # bad sits out good's prompt
+    sched.update(out, {"good": [7]})
+    out = sched.schedule()  # good's fifth token needs a second block: bad (worse) gives back block 0
     assert ids(out) == ["good"] and [r.request_id for r in out.preempted] == ["bad"]
-    assert good.block_ids == [0, 1]
+    assert good.block_ids == [1, 0] and bad.block_ids == []
 
 
 def test_an_unknown_policy_is_a_named_error():

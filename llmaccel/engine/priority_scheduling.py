@@ -4,11 +4,12 @@ running and waiting requests together in priority order.
 Each step walks the candidates best first: a lower `priority` first (vLLM's semantics); within a priority, the
 owner (an API key's client id) that has been given the fewest of this step's tokens so far, so one key's flood
 shares the budget with a lighter key instead of filling it; then running before waiting, then arrival. A running
-request gets its next chunk, a waiting one is admitted. When a waiting request finds no sequence slot or no
-blocks, the running request of the worst priority not yet scheduled this step, if worse than its own, is
-preempted for it (back to the queue, to be recomputed); when a running request finds no block, the worst
-running request not yet scheduled is preempted, as FCFS preempts the newest. With one owner and one priority
-the order is FCFS's.
+request gets its next chunk, a waiting one is admitted. A step that computes a prompt stops before any request
+of worse priority, so a high-priority arrival's first token waits for no low-priority decoding. When a waiting
+request finds no sequence slot or no blocks, the running request of the worst priority not yet scheduled this
+step, if worse than its own, is preempted for it (back to the queue, to be recomputed); when a running request
+finds no block, the worst running request not yet scheduled is preempted, as FCFS preempts the newest. With one
+owner and one priority the order is FCFS's.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ def schedule_by_priority(scheduler: Scheduler, out: SchedulerOutput) -> None:
         out.preempted.append(victim)
         return victim
 
+    prefilling: int | None = None  # the best priority whose prompt is computed this step
     while budget > 0 and (unscheduled or (admitting and waiting)):
         candidates = [(r.priority, given[r.owner], 0, r.arrival_time, r) for r in _heads(unscheduled)]
         if admitting:
             candidates += [(r.priority, given[r.owner], 1, r.arrival_time, r) for r in _heads(waiting)]
         *_, request = min(candidates, key=lambda c: c[:4])
+        if prefilling is not None and request.priority > prefilling:
+            break  # a step that computes a prompt of better priority runs nothing worse: its first token comes sooner
         if request.status is RequestStatus.RUNNING:
             unscheduled.remove(request)
             remaining = request.num_tokens - request.num_computed_tokens
@@ -96,6 +100,8 @@ def schedule_by_priority(scheduler: Scheduler, out: SchedulerOutput) -> None:
             request.status = RequestStatus.RUNNING
             scheduler.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
+        if not request.output_token_ids:  # it computes (part of) its prompt
+            prefilling = request.priority if prefilling is None else min(prefilling, request.priority)
         given[request.owner] += out.scheduled[-1].num_new_tokens + out.scheduled[-1].num_draft_slots
         budget -= out.scheduled[-1].num_new_tokens + out.scheduled[-1].num_draft_slots
 

@@ -103,7 +103,7 @@ def test_non_finite_numbers_are_refused(server, raw):
 
 
 def test_a_bug_in_a_handler_is_a_500_naming_the_request_id_and_the_connection_lives_on(server, monkeypatch, caplog):
-    def broken_submit(request, model):
+    def broken_submit(request, model, owner=""):
         raise RuntimeError("secret internals: /home/llmaccel/weights")
 
     monkeypatch.setattr(server.state.serving, "submit", broken_submit)

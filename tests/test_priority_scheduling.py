@@ -7,6 +7,7 @@ import pytest
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.priority_scheduling import PriorityScheduler, build_scheduler
 from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.llm import LLM
@@ -15,7 +16,10 @@ from llmaccel.sampling_params import SamplingParams
 
 def make(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 64, policy: str = "priority") -> Scheduler:
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=False)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy), kv)
+    sched = build_scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy),
+                            kv)
+    assert isinstance(sched, PriorityScheduler) == (policy == "priority") and isinstance(sched, Scheduler)
+    return sched
 
 
 def request(rid: str, priority: int = 0, owner: str = "", tokens: int = 4, arrival: float = 0.0) -> Request:

@@ -19,10 +19,10 @@ from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.guard_stage import Judgement, Verdict, build_guard_stage
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from llmaccel.engine.loading import check_reindexable, kv_layout, load_model, reindexes_sinks
+from llmaccel.engine.priority_scheduling import build_scheduler
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.request_checks import check_prompt, check_request
 from llmaccel.engine.request_group import RequestGroup, Sample
-from llmaccel.engine.scheduler import Scheduler
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.engine.step_update import advance_grammar, fail_group, take_token
 from llmaccel.errors import InvalidRequestError
@@ -86,7 +86,7 @@ class LLMEngine:
             self.variant += "|sinks=cache"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.variant,
                                        window, sinks, reindexed)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler = build_scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.kv_dtype, self.device)
         self.kv_cache.turn_sink_keys = self.runner.turn_sink_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)

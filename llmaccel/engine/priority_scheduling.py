@@ -15,21 +15,30 @@ owner and one priority the order is FCFS's.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
+from llmaccel.config import SchedulerConfig
+from llmaccel.engine.kv_cache_manager import KVCacheManager
 from llmaccel.engine.request import Request, RequestStatus
+from llmaccel.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
-if TYPE_CHECKING:
-    from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
+
+def build_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager) -> Scheduler:
+    """The scheduler of `config.policy`."""
+    return PriorityScheduler(config, kv_cache) if config.policy == "priority" else Scheduler(config, kv_cache)
 
 
 def _rank(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
-def schedule_by_priority(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    from llmaccel.engine.scheduler import ScheduledRequest
+class PriorityScheduler(Scheduler):
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        _schedule_by_priority(self, out)
+        return out
 
+
+def _schedule_by_priority(scheduler: Scheduler, out: SchedulerOutput) -> None:
     kv_cache, budget = scheduler.kv_cache, scheduler.max_num_batched_tokens
     unscheduled = sorted(scheduler.running, key=_rank)  # running requests not yet given tokens this step
     waiting = sorted(scheduler.waiting, key=_rank)

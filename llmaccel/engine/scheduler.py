@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
-from llmaccel.engine.priority_scheduling import schedule_by_priority
 from llmaccel.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,6 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.policy = config.policy  # fcfs here; priority in engine/priority_scheduling.py
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -79,9 +77,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.policy == "priority":
-            schedule_by_priority(self, out)
-            return out
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:

@@ -116,6 +116,15 @@ def test_bad_embedding_requests_are_named_errors(server, body, words):
     assert words in response.json()["error"]["message"]
 
 
+def test_embeddings_count_against_the_clients_rate_limit(llama_dir):
+    with live_server(llama_dir, rate_limit_requests=2) as limited:
+        statuses = [httpx.post(limited.url + "/v1/embeddings", json={"model": MODEL_NAME, "input": "hi"},
+                               timeout=30).status_code for _ in range(3)]
+        chat = httpx.post(limited.url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert statuses == [200, 200, 429] and chat.status_code == 429
+
+
 def test_embeddings_mixed_with_chats_are_all_answered(server):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
 

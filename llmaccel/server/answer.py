@@ -35,13 +35,7 @@ if TYPE_CHECKING:
 
 async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
                  request: Request, state: ServerState) -> Response:
-    limiter, client = state.rate_limiter, state.gate.client_id(request)
-    if limiter is not None and (limited := limiter.admit(client)) is not None:
-        state.metrics.rate_limited.labels(limit=limited.limit).inc()
-        raise APIError(429, f"rate limit reached: this client may send {_limit_text(state.config, limited.limit)} "
-                       f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
-                       rejected="rate_limited")
+    limiter, client = state.rate_limiter, admitted_client(state, request)
     prompt_param = "messages" if hasattr(body, "messages") else "prompt"
     try:
         job = serving.submit(body, model, client)
@@ -96,6 +90,19 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
         headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
         body["guard"] = [r.as_dict() for r in job.guard_reports]
     return JSONResponse(body, headers=headers)
+
+
+def admitted_client(state: ServerState, request: Request) -> str:
+    """Who sent the request (rate limits and the priority policy's fair share count against it); a 429 when it
+    is over its rate limit."""
+    limiter, client = state.rate_limiter, state.gate.client_id(request)
+    if limiter is not None and (limited := limiter.admit(client)) is not None:
+        state.metrics.rate_limited.labels(limit=limited.limit).inc()
+        raise APIError(429, f"rate limit reached: this client may send {_limit_text(state.config, limited.limit)} "
+                       f"per minute; retry in {limited.retry_after_header} s", "rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": limited.retry_after_header},
+                       rejected="rate_limited")
+    return client
 
 
 def _failed(exc: Exception) -> APIError:

@@ -34,7 +34,7 @@ from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
 from llmaccel.server import embeddings, openapi, tokenizing
 from llmaccel.server import protocol as p
-from llmaccel.server.answer import answer
+from llmaccel.server.answer import admitted_client, answer
 from llmaccel.server.answer_checks import AnswerChecks
 from llmaccel.server.auth import Gate, parse_networks
 from llmaccel.server.cascade import CascadeRouter, CascadeRule, check_cascade
@@ -216,10 +216,15 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
 
     @api.post("/embeddings", response_model=embeddings.EmbeddingResponse,
               responses=openapi.errors(400, *auth_errors, 413, 429, 500, 503, 504))
-    async def create_embeddings(body: embeddings.EmbeddingRequest) -> embeddings.EmbeddingResponse:
+    async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request) -> embeddings.EmbeddingResponse:
         served = serving()
         pooling = embeddings.model_pooling(config.pooling, getattr(served.engine.engine, "hf_dir", None))
-        return await embeddings.embed(served, body, model_for(body.model), pooling)
+        model = model_for(body.model)
+        client = admitted_client(state, request)
+        response = await embeddings.embed(served, body, model, pooling, client)
+        if state.rate_limiter is not None:
+            state.rate_limiter.charge(client, response.usage.prompt_tokens)
+        return response
 
     app.include_router(api)
 

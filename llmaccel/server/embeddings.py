@@ -5,7 +5,7 @@ that runs its prompt and no more (SamplingParams.pooling): it is scheduled and b
 traffic, and its final hidden states are pooled (the last token's, or the mean; --pooling) and L2-normalized.
 `encoding_format` "base64" is the float32 little-endian bytes, as the official client decodes them (it asks
 for base64 by default). `dimensions` is refused unless it is the model's own width: the vectors are not
-trained to be cut short.
+trained to be cut short. Embeddings count against the client's rate limits as chats do (their prompt tokens).
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def input_token_ids(body: EmbeddingRequest, tokenizer, vocab_size: int) -> list[
     return token_ids
 
 
-async def embed(serving, body: EmbeddingRequest, model: str, pooling: str) -> EmbeddingResponse:
-    """serving: the server's OpenAIServing (its engine and tokenizer)."""
+async def embed(serving, body: EmbeddingRequest, model: str, pooling: str, owner: str = "") -> EmbeddingResponse:
+    """serving: the server's OpenAIServing (its engine and tokenizer); `owner`: who sent it (fair share)."""
     engine = serving.engine
     width = engine.engine.spec.hidden_size
     if body.dimensions is not None and body.dimensions != width:
@@ -102,7 +102,7 @@ async def embed(serving, body: EmbeddingRequest, model: str, pooling: str) -> Em
     streams = []
     try:
         for ids in token_ids:
-            streams.append(engine.add_request(ids, params, timeout=serving.request_timeout))
+            streams.append(engine.add_request(ids, params, timeout=serving.request_timeout, owner=owner))
     except Exception as exc:
         for stream in streams:
             stream.close()

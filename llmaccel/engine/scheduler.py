@@ -80,25 +80,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk(remaining, budget)
-            drafts = 0
-            if remaining == 1 and self.draft_slots is not None:
-                drafts = max(0, min(self.draft_slots(request, len(self.running)), budget - 1))
-            while self.kv_cache.allocate_slots(request, num_new + drafts) is None:
-                if drafts:  # short of blocks: drop the drafts before preempting anyone
-                    drafts = 0
-                    continue
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
+            scheduled = self._grant(self.running[index], budget, out, lambda: self.running[-1])  # the newest
+            if scheduled is None:
                 break  # it preempted itself: everything after it is gone as well
-            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
-            budget -= num_new + drafts
+            budget -= scheduled.num_new_tokens + scheduled.num_draft_slots
             index += 1
 
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
@@ -114,13 +99,41 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, cached) is None:
                 break
-            self.kv_cache.record_admission(request, num_cached_tokens)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._admit(request, num_new, num_cached_tokens, out)
             budget -= num_new
         return out
+
+    def _grant(self, request: Request, budget: int, out: SchedulerOutput,
+               victim: Callable[[], Request]) -> ScheduledRequest | None:
+        """Give a running request its next tokens (and draft slots) within `budget`. While the pool is short,
+        drafts go first, then `victim()` (a running request, perhaps this one) is preempted. None when this one
+        was."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = self._chunk(remaining, budget)
+        drafts = 0
+        if remaining == 1 and self.draft_slots is not None:
+            drafts = max(0, min(self.draft_slots(request, len(self.running)), budget - 1))
+        while self.kv_cache.allocate_slots(request, num_new + drafts) is None:
+            if drafts:  # short of blocks: drop the drafts before preempting anyone
+                drafts = 0
+                continue
+            preempted = victim()
+            self.running.remove(preempted)
+            self._preempt(preempted)
+            out.preempted.append(preempted)
+            if preempted is request:
+                return None
+        scheduled = ScheduledRequest(request, num_new, drafts)
+        out.scheduled.append(scheduled)
+        return scheduled
+
+    def _admit(self, request: Request, num_new: int, num_cached_tokens: int, out: SchedulerOutput) -> None:
+        """A waiting request whose slots are allocated starts running with its first chunk."""
+        self.kv_cache.record_admission(request, num_cached_tokens)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
 
     def _chunk(self, remaining: int, budget: int) -> int:
         limit = self.kv_cache.max_chunk

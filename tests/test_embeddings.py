@@ -106,7 +106,8 @@ def test_the_openai_client_gets_vectors_that_match_hf(server, llama_dir, tiny_to
     ({"input": "x", "dimensions": 8}, "dimensions 8 is not served"),
     ({"input": []}, "input must not be empty"),
     ({"input": ["ok", ""]}, "input[1] is empty"),
-    ({"input": [[5, 6], [7, 10**9]]}, "input[1]: token id 1000000000 is outside the vocabulary"),
+    ({"input": [[5, 6], [7, 10**9]]}, "input[1][1]: token id 1000000000 is outside the vocabulary"),
+    ({"input": [5, -1]}, "input[1]: token id -1 is outside the vocabulary"),
     ({"input": [1] * 5000}, "input[0]:"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
 ])

@@ -39,18 +39,8 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
     prompt_param = "messages" if hasattr(body, "messages") else "prompt"
     try:
         job = serving.submit(body, model, client)
-    except ContentFilterError as exc:
-        raise _filtered(exc, prompt_param) from None
-    except EngineOverloadedError as exc:
-        raise _failed(exc) from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), "service_unavailable", code="engine_unavailable",
-                       rejected="unavailable") from None
-    except PromptTooLongError as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded",
-                       rejected="invalid_request") from None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=getattr(exc, "param", None), rejected="invalid_request") from None
+    except (ValueError, EngineOverloadedError, EngineDeadError) as exc:
+        raise submission_error(exc, prompt_param) from None
     if limiter is not None:
         limiter.charge(client, sum(job.prompt_lengths))
         job.on_done = lambda completion_tokens: limiter.charge(client, completion_tokens)
@@ -90,6 +80,25 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
         headers["x-llmaccel-guard"] = worst_verdict(job.guard_reports)
         body["guard"] = [r.as_dict() for r in job.guard_reports]
     return JSONResponse(body, headers=headers)
+
+
+def submission_error(exc: ValueError | EngineOverloadedError | EngineDeadError, prompt_param: str,
+                     value_param: str | None = None, prefix: str = "") -> APIError:
+    """The error response of a request refused before any of it was queued: the input filter's refusal and a
+    prompt over the context window (both named by `prompt_param`), any other bad value (by the error's own
+    param, else `value_param`), a full queue, a dead engine. `prefix` goes before a bad value's message (which
+    input of several it was)."""
+    if isinstance(exc, ContentFilterError):
+        return _filtered(exc, prompt_param)
+    if isinstance(exc, EngineOverloadedError):
+        return _failed(exc)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", code="engine_unavailable", rejected="unavailable")
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, prefix + str(exc), param=prompt_param, code="context_length_exceeded",
+                        rejected="invalid_request")
+    return APIError(400, prefix + str(exc), param=getattr(exc, "param", None) or value_param,
+                    rejected="invalid_request")
 
 
 def admitted_client(state: ServerState, request: Request) -> str:

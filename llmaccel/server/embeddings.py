@@ -19,8 +19,10 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from llmaccel.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
+from llmaccel.bounds import check_token_ids
+from llmaccel.errors import EngineDeadError, EngineOverloadedError
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.server.answer import submission_error
 from llmaccel.server.chat_messages import _STRICT
 from llmaccel.server.errors import APIError
 
@@ -71,7 +73,8 @@ def model_pooling(setting: str, model_dir: str | Path | None) -> str:
 def input_token_ids(body: EmbeddingRequest, tokenizer, vocab_size: int) -> list[list[int]]:
     """Each input's token ids (texts tokenized with the special tokens, as /v1/completions does)."""
     items = body.input
-    if isinstance(items, str) or (items and isinstance(items[0], int)):
+    single = isinstance(items, str) or bool(items and isinstance(items[0], int))
+    if single:
         items = [items]
     if not items:
         raise _bad("input must not be empty")
@@ -82,9 +85,10 @@ def input_token_ids(body: EmbeddingRequest, tokenizer, vocab_size: int) -> list[
         ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         if not ids:
             raise _bad(f"input[{i}] is empty")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise _bad(f"input[{i}]: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        try:
+            check_token_ids(ids, vocab_size, "input" if single else f"input[{i}]")
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
         token_ids.append(ids)
     return token_ids
 
@@ -103,10 +107,12 @@ async def embed(serving, body: EmbeddingRequest, model: str, pooling: str, owner
     try:
         for ids in token_ids:
             streams.append(engine.add_request(ids, params, timeout=serving.request_timeout, owner=owner))
-    except Exception as exc:
+    except BaseException as exc:
         for stream in streams:
             stream.close()
-        raise _refused(exc, len(streams)) from None
+        if isinstance(exc, ValueError | EngineOverloadedError | EngineDeadError):
+            raise submission_error(exc, "input", "input", f"input[{len(streams)}]: ") from None
+        raise
     outputs = await asyncio.gather(*(_last(stream) for stream in streams))
     data = [Embedding(index=i, embedding=_encoded(out.embedding, body.encoding_format))
             for i, out in enumerate(outputs)]
@@ -128,18 +134,6 @@ def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return vector
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-
-
-def _refused(exc: Exception, index: int) -> APIError:
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                        rejected="queue_full")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "service_unavailable", code="engine_unavailable", rejected="unavailable")
-    if isinstance(exc, ValueError):  # InvalidRequestError: too long for the context window, say
-        code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
-        return APIError(400, f"input[{index}]: {exc}", param="input", code=code, rejected="invalid_request")
-    raise exc
 
 
 def _bad(message: str) -> APIError:

@@ -8,6 +8,7 @@ and how its rows are sampled, step_result.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from collections.abc import Mapping
@@ -77,15 +78,20 @@ class ModelRunner:
     def turn_sink_keys(self, sources: list[int], targets: list[int], delta: int) -> None:
         """Copy blocks `sources` into `targets`, every layer's keys turned by `delta` positions and values as they
         are (re-indexed attention sinks, engine/kv_cache_manager.py)."""
-        spec, block_size = self.model.spec, self.block_size
-        inv_freq = rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                                            spec.max_position_embeddings).to(self.device)
+        block_size = self.block_size
         offsets = torch.arange(block_size, device=self.device)
         src = (torch.tensor(sources, device=self.device)[:, None] * block_size + offsets).flatten()
         dst = (torch.tensor(targets, device=self.device)[:, None] * block_size + offsets).flatten()
-        keys = turn_keys(loaded(self.kv_slab[:, 0, src], torch.float32), delta, inv_freq)
+        keys = turn_keys(loaded(self.kv_slab[:, 0, src], torch.float32), delta, self._inverse_frequencies)
         self.kv_slab[:, 0, dst] = stored(keys, self.kv_slab.dtype)
         self.kv_slab[:, 1, dst] = self.kv_slab[:, 1, src]
+
+    @functools.cached_property
+    def _inverse_frequencies(self) -> torch.Tensor:
+        """RoPE's, for turning sink keys (computed at the first turn, not at every one)."""
+        spec = self.model.spec
+        return rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                                        spec.max_position_embeddings).to(self.device)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -142,10 +142,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + cached.num_tokens(self.block_size)
         held = request.num_skipped_blocks + len(request.block_ids) + len(cached.blocks)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
-        kept, skipped = self._cut_to_window(cached.blocks, num_computed)
+        kept, skipped = self._cut_to_window(cached.blocks, num_computed) if cached.blocks else ([], 0)
         unused_cached = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # these leave the free queue
         # re-indexed sinks past the window: private copies of the sink blocks, turned
-        turned = self.num_sink_blocks if self.reindex_sinks and skipped and cached.blocks else 0
+        turned = self.num_sink_blocks if self.reindex_sinks and skipped else 0
         if max(needed, 0) + turned > self.pool.num_free_blocks - unused_cached:
             return None
         if cached.blocks:

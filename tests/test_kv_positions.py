@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
@@ -17,6 +17,7 @@ from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
+from tests.tiny_models import make_long_llama
 
 WINDOW, SINKS, BLOCK = 32, 4, 16  # one sink block (tokens 0..15)
 
@@ -67,15 +68,7 @@ def test_a_request_admitted_past_the_window_on_a_cached_prefix_starts_with_a_tur
 
 @pytest.fixture(scope="module")
 def one_layer_dir(tmp_path_factory, tiny_tokenizer):
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=tiny_tokenizer.bos_token_id,
-                         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
-    torch.manual_seed(77)
-    out = tmp_path_factory.mktemp("one-layer") / "llama-1"
-    LlamaForCausalLM(config).eval().save_pretrained(out)
-    tiny_tokenizer.save_pretrained(out)
-    return out
+    return make_long_llama(tmp_path_factory.mktemp("one-layer") / "llama-1", tiny_tokenizer, num_layers=1, seed=77)
 
 
 def _visible(query: int, step_start: int) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
@@ -14,7 +13,7 @@ from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import Scheduler
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, make_long_llama
 
 
 def test_blocks_between_the_sinks_and_the_window_are_freed_as_the_window_passes():
@@ -40,16 +39,7 @@ def test_blocks_between_the_sinks_and_the_window_are_freed_as_the_window_passes(
 
 @pytest.fixture(scope="module")
 def long_context_dir(tmp_path_factory, tiny_tokenizer):
-    """A tiny llama whose positions reach past 3,000 tokens."""
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=tiny_tokenizer.bos_token_id,
-                         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
-    torch.manual_seed(1234)
-    out = tmp_path_factory.mktemp("long") / "llama-long"
-    LlamaForCausalLM(config).eval().save_pretrained(out)
-    tiny_tokenizer.save_pretrained(out)
-    return out
+    return make_long_llama(tmp_path_factory.mktemp("long") / "llama-long", tiny_tokenizer, num_layers=2, seed=1234)
 
 
 def test_a_3000_token_generation_holds_a_bounded_number_of_blocks(long_context_dir):

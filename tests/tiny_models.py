@@ -14,6 +14,7 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     LlamaConfig,
+    LlamaForCausalLM,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -108,6 +109,18 @@ def make_tiny_model(name: str, root: Path, tokenizer: PreTrainedTokenizerFast) -
             model.get_input_embeddings().weight.mul_(1 / config.hidden_size**0.5)
     out = root / name
     model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_long_llama(out: Path, tokenizer: PreTrainedTokenizerFast, num_layers: int, seed: int) -> Path:
+    """A tiny llama whose positions reach past 3,000 tokens (4,096), for KV-window tests."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -212,6 +213,36 @@ class SpeculativeConfig:
         return self.speculative_method
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (lora/): requests name one, and any mix shares a batch."""
+
+    enable_lora: bool = False  # hold room for adapters loaded at run time (implied by lora_modules)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) loaded at start
+    max_loras: int = 4  # adapters loaded at once: each takes a share of every projection's stacked LoRA matrices
+    max_lora_rank: int = 16  # the largest rank an adapter may have (the share's width)
+
+    def __post_init__(self) -> None:
+        modules = self.lora_modules.items() if isinstance(self.lora_modules, Mapping) else self.lora_modules
+        object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in modules))
+        if not 1 <= self.max_loras <= 256:
+            raise ValueError(f"max_loras must be between 1 and 256, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be between 1 and 512, got {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a LoRA module name is given twice: {', '.join(sorted(names))}")
+        if len(names) > self.max_loras:
+            raise ValueError(f"{len(names)} LoRA modules given, but --max-loras is {self.max_loras}")
+        for name in names:
+            if not name or any(c.isspace() for c in name):
+                raise ValueError(f"bad LoRA module name {name!r}: a name is what requests give as `model`")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
 GUARD_ACTIONS = ("block", "flag", "count")
 
 
@@ -242,6 +273,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def create(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
@@ -250,7 +282,7 @@ class EngineConfig:
             kwargs["kv_cache_memory"] = parse_memory_size(kwargs["kv_cache_memory"])  # type: ignore[arg-type]
         parts = {}
         for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                            ("speculative", SpeculativeConfig), ("guard", GuardConfig)):
+                            ("speculative", SpeculativeConfig), ("guard", GuardConfig), ("lora", LoRAConfig)):
             names = {f.name for f in fields(klass)}
             chosen = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
             if klass is ModelConfig:

@@ -90,6 +90,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                            "token_counts.json, which `llmaccel distill` writes, else in the built-in corpora): a "
                            "draft pass then reads N rows of the head instead of the whole vocabulary's (a draft head: "
                            "default the size it was trained for)")
+    lora = parser.add_argument_group("LoRA adapters (PEFT directories; requests name one as `model`, and requests for "
+                                     "different adapters and the base model share each batch)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR", type=_lora_module,
+                      help="adapters loaded at start: each is served as model NAME and listed in /v1/models with the "
+                           "base model as its parent")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="hold room for adapters (implied by --lora-modules) and allow loading and unloading them at "
+                           "run time: POST /v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter "
+                           "{lora_name} (behind the API key when one is set)")
+    lora.add_argument("--max-loras", type=int, default=4, metavar="N",
+                      help="adapters loaded at once (each holds a share of every projection's stacked LoRA matrices)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                      help="the largest adapter rank accepted; a larger one is refused at load, naming its rank")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (a PEFT adapter directory), got {text!r}")
+    return name, path
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -111,4 +131,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                    num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_min=args.prompt_lookup_min, speculative_max_batch=args.speculative_max_batch,
                    speculative_draft_vocab=args.speculative_draft_vocab, speculative_lookup=args.speculative_lookup)
+    if args.lora_modules or args.enable_lora:
+        options.update(lora_modules=tuple(args.lora_modules), enable_lora=args.enable_lora, max_loras=args.max_loras,
+                       max_lora_rank=args.max_lora_rank)
     return options

@@ -20,6 +20,7 @@ from llmaccel.batch_layout import Span, attention_metadata, in_row_order, kv_slo
 from llmaccel.engine.guard_stage import GuardStage, TappedPiece, Verdict
 from llmaccel.engine.request import Request
 from llmaccel.engine.scheduler import SchedulerOutput
+from llmaccel.lora.manager import LoRAManager
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.rope import rope_inverse_frequencies, turn_keys
@@ -57,6 +58,7 @@ class ModelRunner:
         # forward pass has every core already (bench structured: no gain from overlap on 2 cores)
         self.overlap_masks = device.type != "cpu"
         self.guard: GuardStage | None = None  # the semantic input guard (engine/guard_stage.py), when on
+        self.loras: LoRAManager | None = None  # the LoRA adapters beside the model (set by the engine), when on
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The zeroed KV pool. On the CPU it is one anonymous mmap: the OS zero-fills its pages on first
@@ -240,6 +242,8 @@ class ModelRunner:
             slots.extend(kv_slots(span.request.block_ids, table_start, table_start + count, self.block_size))
         device = self.device
         meta = attention_metadata(ordered, slots, self.block_size, device)
+        if self.loras is not None:  # each row's LoRA adapter (lora/layers.py)
+            self.loras.set_rows([span.request.lora_slot for span in ordered for _ in span.token_ids])
         extra = {} if features is None else {"features": features}
         if taps is not None:
             extra["taps"] = taps

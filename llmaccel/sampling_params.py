@@ -45,6 +45,8 @@ class SamplingParams:
     # an embedding request (/v1/embeddings): no token is generated; the prompt's final hidden states are pooled,
     # "last" (the last token's) or "mean" (every token's: no prefix-cache hit), and L2-normalized
     pooling: str | None = None
+    # the LoRA adapter to generate with, by the name it was loaded under (lora/); None: the base model
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the engine", ["llmaccel.engine.engine", "llmaccel.engine.scoring", "llmaccel.engine.loading",
                     "llmaccel.engine.step_update", "llmaccel.safety.output_guard"]),
     ("a step", ["llmaccel.runner", "llmaccel.step_result", "llmaccel.batch_layout", "llmaccel.spec",
-                "llmaccel.engine.guard_stage", "llmaccel.safety"]),
+                "llmaccel.engine.guard_stage", "llmaccel.safety", "llmaccel.lora"]),
     ("scheduling and sampling", ["llmaccel.engine", "llmaccel.sampler"]),
     ("the model", ["llmaccel.model"]),
     ("kernels", ["llmaccel.ops"]),

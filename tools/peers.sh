@@ -37,7 +37,7 @@
 # serves: it dequantizes the same file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=$PWD/.venv/bin/python  # absolute: the llama.cpp build runs from $PEERS_DIR
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/llmaccel/peers}
 THREADS=${THREADS:-$(nproc)}
 VLLM=0

@@ -26,6 +26,8 @@ from llmaccel.engine.request_group import RequestGroup, Sample
 from llmaccel.engine.scoring import Divergence, SequenceScorer, divergence
 from llmaccel.engine.step_update import advance_grammar, fail_group, take_token
 from llmaccel.errors import InvalidRequestError
+from llmaccel.lora.adapter import LoRAAdapter
+from llmaccel.lora.manager import LoRAManager
 from llmaccel.model.layers import weight_bytes
 from llmaccel.model.loader import load_checkpoint
 from llmaccel.ops.gemv import gemv_kernels
@@ -73,6 +75,8 @@ class LLMEngine:
         model, quantized_checkpoint = load_model(config, checkpoint, self.dtype, self.device, self.max_model_len,
                                                  use_kernel)
         del checkpoint
+        # LoRA adapters beside the base model (lora/): every projection wrapped, the --lora-modules loaded
+        self.loras = LoRAManager(model, config.lora, self.dtype, self.device) if config.lora.enabled else None
         # names the weights and numerics: prefix-cache hashes and result-cache keys start from it
         self.variant = "|".join(str(v) for v in (config.model.model, self.dtype, config.model.quantization,
                                                  config.model.quant_group_size, config.model.quantize_embedding))
@@ -88,6 +92,7 @@ class LLMEngine:
                                        window, sinks, reindexed)
         self.scheduler = build_scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.kv_dtype, self.device)
+        self.runner.loras = self.loras
         self.kv_cache.turn_sink_keys = self.runner.turn_sink_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner.grammars = self.grammars
@@ -161,6 +166,9 @@ class LLMEngine:
                               priority, owner)
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.matcher(params.structured_outputs)
+            if params.lora is not None:
+                request.lora_slot = self.loras.slot(params.lora)
+                request.cache_salt = f"lora={self.loras.adapters[params.lora].digest}"
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
             samples.append(Sample(request, detok, [] if params.logprobs is not None else None))
         group = RequestGroup(request_id, text, token_ids, samples, RequestMetrics(arrival_time=arrival))
@@ -175,8 +183,36 @@ class LLMEngine:
         check_prompt(token_ids, self.max_model_len, self.spec.vocab_size)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """check_prompt, and the sampling parameters that depend on the model (token ids)."""
+        """check_prompt, and the sampling parameters that depend on the model (token ids, the LoRA adapter)."""
         check_request(token_ids, params, self.max_model_len, self.spec.vocab_size, self.grammars)
+        if params.lora is not None and (self.loras is None or params.lora not in self.loras.adapters):
+            loaded = sorted(self.loras.adapters) if self.loras is not None else []
+            raise InvalidRequestError(
+                f"no LoRA adapter named {params.lora!r} is loaded" + (f" (loaded: {', '.join(loaded)})" if loaded
+                else " (start the server with --lora-modules NAME=DIR, or --enable-lora and load one)"),
+                param="model")
+
+    # ---- LoRA adapters (call between steps) ------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT adapter directory as `name`; AdapterError (a ValueError naming the problem) if it cannot be."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are off: start with --enable-lora (or --lora-modules)")
+        return self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`; refused while a request uses it."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are off: start with --enable-lora (or --lora-modules)")
+        users = sum(1 for group in self._groups.values() for sample in group.samples
+                    if sample.request.params.lora == name)
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it after they "
+                                      "finish")
+        self.loras.remove(name)
+
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapter]:
+        return dict(self.loras.adapters) if self.loras is not None else {}
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token | the tokens before it) for every token after the first, as perplexity needs.

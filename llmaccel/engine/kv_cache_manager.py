@@ -118,7 +118,7 @@ class KVCacheManager:
             found.blocks.append(block_id)
         if self.copy_prefix is not None and self.window is None:
             start = len(found.blocks) * self.block_size
-            parent = self._parent(hashes, len(found.blocks))
+            parent = self._parent(request, hashes, len(found.blocks))
             rest = request.all_token_ids[start:min(last, start + self.block_size)]
             found.partial = self.pool.longest_partial_match(parent, rest) if rest else None
         return found
@@ -198,7 +198,7 @@ class KVCacheManager:
             if position is not None:
                 tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
                 table = request.sink_block_ids if index < len(request.sink_block_ids) else request.block_ids
-                self.pool.cache_block(table[position], hashes[index], self._parent(hashes, index), tokens)
+                self.pool.cache_block(table[position], hashes[index], self._parent(request, hashes, index), tokens)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def table_index(self, request: Request, logical_block: int) -> int | None:
@@ -245,7 +245,7 @@ class KVCacheManager:
         num_full, num_rest = divmod(request.num_computed_tokens, self.block_size)
         if (keep_tail and self.enable_prefix_caching and self.copy_prefix is not None and self.window is None
                 and num_rest and num_full < len(request.block_ids)):
-            parent = self._parent(self._block_hashes(request, num_full), num_full)
+            parent = self._parent(request, self._block_hashes(request, num_full), num_full)
             tokens = request.all_token_ids[num_full * self.block_size:request.num_computed_tokens]
             self.pool.cache_partial(request.block_ids[num_full], parent, tokens)
         self.pool.free(list(reversed(request.block_ids)) + list(reversed(request.sink_block_ids)))
@@ -259,10 +259,15 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) < count:
             index = len(hashes)
-            hashes.append(block_hash(self._parent(hashes, index),
+            hashes.append(block_hash(self._parent(request, hashes, index),
                                      request.all_token_ids[index * size:(index + 1) * size]))
         return hashes[:count]
 
-    def _parent(self, hashes: list[bytes], index: int) -> bytes:
-        """The prefix hash block `index` follows: block index - 1's in `hashes`, or the salt's for the first."""
-        return hashes[index - 1] if index else self.root_hash
+    def _parent(self, request: Request, hashes: list[bytes], index: int) -> bytes:
+        """The prefix hash block `index` follows: block index - 1's in `hashes`, or for the first the salt's (and
+        the request's own: a LoRA adapter's KV is not the base model's)."""
+        if index:
+            return hashes[index - 1]
+        if not request.cache_salt:
+            return self.root_hash
+        return hashlib.sha256(self.root_hash + request.cache_salt.encode()).digest()

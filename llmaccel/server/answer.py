@@ -8,8 +8,9 @@ a full queue 429). A client that goes away mid-answer gets its engine requests a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,8 +34,17 @@ if TYPE_CHECKING:
     from llmaccel.server.state import ServerState
 
 
+class AnswerView(Protocol):
+    """Another API's shape of a chat answer (server/responses_output.py: the Responses API's)."""
+
+    def body(self, chat: dict[str, Any]) -> dict[str, Any]: ...  # a whole answer's body, from the chat completion's
+
+    def stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]: ...  # SSE events, from the chat chunks'
+
+
 async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.CompletionRequest, model: str,
-                 request: Request, state: ServerState) -> Response:
+                 request: Request, state: ServerState, view: AnswerView | None = None) -> Response:
+    """`view`: the answer in another API's shapes (the Responses API's), on the same path."""
     limiter, client = state.rate_limiter, admitted_client(state, request)
     prompt_param = "messages" if hasattr(body, "messages") else "prompt"
     try:
@@ -56,7 +66,8 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
             raise _failed(exc) from None
         if route is not None:
             cache_header["x-llmaccel-route"] = route
-        return _SSEResponse(serving.stream(job), media_type="text/event-stream",
+        events = serving.stream(job) if view is None else view.stream(serving.stream(job))
+        return _SSEResponse(events, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **cache_header})
     task = asyncio.create_task(serving.complete(job))
     watcher = asyncio.create_task(_disconnected(request))
@@ -74,6 +85,8 @@ async def answer(serving: OpenAIServing, body: p.ChatCompletionRequest | p.Compl
     except (RequestTimeoutError, EngineDeadError, RequestFailedError, EngineOverloadedError) as exc:
         raise _failed(exc) from None
     body, headers = response.model_dump(), dict(cache_header)
+    if view is not None:
+        body = view.body(body)
     if (route := await serving.routes(job)) is not None:  # decided already: the answer is there
         headers["x-llmaccel-route"] = route
     if job.guard_reports:  # the output guard's verdicts: a header for the worst, each choice's in the body

@@ -32,13 +32,14 @@ from llmaccel.safety.input_filter import InputFilter
 from llmaccel.safety.output_guard import GuardConfig, OutputGuard
 from llmaccel.safety.rate_limit import RateLimiter
 from llmaccel.safety.rules import load_rules
-from llmaccel.server import embeddings, openapi, tokenizing
+from llmaccel.server import embeddings, openapi, responses, tokenizing
 from llmaccel.server import protocol as p
 from llmaccel.server.answer import admitted_client, answer
 from llmaccel.server.answer_checks import AnswerChecks
 from llmaccel.server.auth import Gate, parse_networks
 from llmaccel.server.cascade import CascadeRouter, CascadeRule, check_cascade
 from llmaccel.server.errors import APIError, validation_error_message
+from llmaccel.server.lora_routes import adapter_cards, adapter_names, add_lora_routes
 from llmaccel.server.metrics import ServerMetrics
 from llmaccel.server.middleware import CatchErrors, CountRequests, LimitBody
 from llmaccel.server.prompt_checks import PromptChecks
@@ -183,11 +184,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
         gate.check(request)
 
     def model_for(requested: str | None) -> str:
+        """The model a request names: the served model's names, or a LoRA adapter's (server/lora_routes.py)."""
         if requested is None:
             return state.model_names[0]
-        if requested not in state.model_names:
+        if requested not in state.model_names and requested not in adapter_names(state):
+            served = [*state.model_names, *adapter_names(state)]
             raise APIError(400, f"the model {requested!r} does not exist; this server serves "
-                           f"{', '.join(repr(m) for m in state.model_names)}", param="model", code="model_not_found",
+                           f"{', '.join(repr(m) for m in served)}", param="model", code="model_not_found",
                            rejected="invalid_request")
         return requested
 
@@ -202,12 +205,28 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
     async def list_models() -> ModelList:
         limit = state.engine.engine.max_model_len if state.engine is not None else 0
         return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=limit)
-                               for name in state.model_names])
+                               for name in state.model_names] + adapter_cards(state, state.created, limit))
 
     @api.post("/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await answer(serving(), body, model_for(body.model), request, state)
+
+    stored_responses = responses.ResponseStore()  # previous_response_id; in memory, least recently used out
+
+    @api.post("/responses", responses={200: {"content": openapi.STREAM}, **answer_errors, **responses.NOT_FOUND})
+    async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, answered on the chat path (server/responses.py)."""
+        return await responses.create(serving(), body, model_for(body.model), request, state, stored_responses)
+
+    @api.get("/responses/{response_id}", responses={**openapi.errors(*auth_errors), **responses.NOT_FOUND})
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored_responses.find(response_id).response)
+
+    @api.delete("/responses/{response_id}", responses={**openapi.errors(*auth_errors), **responses.NOT_FOUND})
+    async def delete_response(response_id: str) -> JSONResponse:
+        stored_responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @api.post("/completions", response_model=CompletionResponse,
               responses={200: {"content": openapi.STREAM}, **answer_errors})
@@ -226,6 +245,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
             state.rate_limiter.charge(client, response.usage.prompt_tokens)
         return response
 
+    add_lora_routes(api, state, serving, auth_errors)
     app.include_router(api)
 
     @app.post("/tokenize", dependencies=keyed, response_model=tokenizing.TokenizeResponse,

@@ -102,7 +102,8 @@ async def embed(serving, body: EmbeddingRequest, model: str, pooling: str, owner
                        "dimensions and are not trained to be cut short; leave dimensions out",
                        param="dimensions", rejected="invalid_request")
     token_ids = input_token_ids(body, serving.tokenizer, engine.engine.spec.vocab_size)
-    params = SamplingParams(max_tokens=1, pooling=pooling)
+    lora = model if model in getattr(engine.engine, "lora_adapters", {}) else None  # an adapter's own states
+    params = SamplingParams(max_tokens=1, pooling=pooling, lora=lora)
     streams = []
     try:
         for ids in token_ids:

@@ -122,6 +122,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmaccel"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory (as vLLM lists it)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -143,6 +143,9 @@ class OpenAIServing:
         tools = tool_plan(request) if isinstance(request, p.ChatCompletionRequest) else None
         prompts = self.prompts(request, tools)
         params = [self.sampling_params(request, len(ids), tools) for ids in prompts]
+        adapters = getattr(self.engine.engine, "lora_adapters", {})
+        if model in adapters:  # the model named is a LoRA adapter (server/lora_routes.py)
+            params = [replace(sp, lora=model) for sp in params]
         response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         streams: list[Stream] = []
         outcomes: list[str] = []
@@ -167,7 +170,11 @@ class OpenAIServing:
         flight, or a new engine request. Also says which: hit, miss or bypass."""
         if self.result_cache is None or not use_cache or not is_cacheable(params):
             return self._engine_request(ids, params, request_id, priority, owner), "bypass"
-        key = cache_key(self.variant, ids, params)
+        variant = self.variant
+        if params.lora is not None:  # an adapter loaded again under its name is another model
+            adapter = self.engine.engine.lora_adapters.get(params.lora)
+            variant += f"|lora={adapter.digest if adapter is not None else params.lora}"
+        key = cache_key(variant, ids, params)
         stored = self.result_cache.get(key)
         if stored is not None:
             return ReplayStream(request_id, stored), "hit"
@@ -181,7 +188,7 @@ class OpenAIServing:
 
     def _engine_request(self, ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
                         owner: str = "") -> RequestStream | CascadeStream:
-        if self.cascade is not None:  # the cascade's two models schedule in arrival order
+        if self.cascade is not None and params.lora is None:  # the cascade's two models schedule in arrival order
             stream = self.cascade.open(ids, params, request_id, self.request_timeout)
         else:
             stream = self.engine.add_request(ids, params, request_id, self.request_timeout, priority=priority,

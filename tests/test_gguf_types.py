@@ -16,7 +16,8 @@ from llmaccel.errors import UnsupportedModelError
 from llmaccel.llm import LLM
 from llmaccel.model.gguf import quants
 from llmaccel.model.loader import hf_dir_for
-from llmaccel.ops.cpu_kernels import load_cpu_kernels
+from llmaccel.ops.cpu_kernels import load_cpu_kernels, load_level
+from llmaccel.platform import cpu_features
 from llmaccel.ops.gemv import pack_int8_blocks
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_gguf import make_llama256, write_gguf
@@ -114,6 +115,20 @@ def test_the_kernels_multiply_by_the_files_own_weights(qtype):
         assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max(), rows
         for i in (0, rows - 1):  # a row's result does not depend on the rows beside it (passes of 4, 2, 1)
             assert torch.equal(product(x[i:i + 1])[0], got[i])
+
+
+@pytest.mark.skipif("avx512_vnni" not in cpu_features(), reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_the_avx512_k_quant_kernel_gives_the_avx2_kernels_bits(qtype):
+    """16 rows a vpdpbusd against 8 rows a maddubs, madd and add: the same integer sums and float steps."""
+    rng = np.random.default_rng(11)
+    n, k = 40, 512
+    raw_t = torch.from_numpy(np.ascontiguousarray(_random_k_blocks(qtype, n, rng)))
+    wide, narrow = load_level("avx512_bf16"), load_level("avx2")
+    blocks = wide.gguf_repack(raw_t, int(qtype), torch.arange(n), k)
+    for rows in (1, 3, 4, 6, 9, 13):  # passes of 8, of 5-7 (spare lanes), 4, 3 and 1
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(wide.gemv_kq(x, blocks, int(qtype), n), narrow.gemv_kq(x, blocks, int(qtype), n)), rows
 
 
 @needs_kernels

@@ -17,8 +17,8 @@ from llmaccel.llm import LLM
 from llmaccel.model.gguf import quants
 from llmaccel.model.loader import hf_dir_for
 from llmaccel.ops.cpu_kernels import load_cpu_kernels, load_level
-from llmaccel.platform import cpu_features
 from llmaccel.ops.gemv import pack_int8_blocks
+from llmaccel.platform import cpu_features
 from llmaccel.sampling_params import SamplingParams
 from tests.tiny_gguf import make_llama256, write_gguf
 from tests.tiny_models import hf_greedy

@@ -46,7 +46,10 @@ def adapter_cards(state: ServerState, created: int, max_model_len: int) -> list[
 
 
 def add_lora_routes(api: APIRouter, state: ServerState, serving: Callable[[], object], auth_errors: tuple) -> None:
-    errors = openapi.errors(400, *auth_errors, 503)
+    # success is vLLM's plain-text line; errors are OpenAI's JSON, as on every route
+    done = {"description": "The adapter's new state, in one line of text.",
+            "content": {"text/plain": {"schema": {"type": "string"}}}}
+    answers = {200: done, **openapi.errors(400, *auth_errors, 503)}
 
     def runtime_loading() -> None:
         serving()  # 503 while loading or shutting down
@@ -54,7 +57,7 @@ def add_lora_routes(api: APIRouter, state: ServerState, serving: Callable[[], ob
             raise APIError(400, "loading LoRA adapters at run time is off: start the server with --enable-lora",
                            code="lora_disabled", rejected="invalid_request")
 
-    @api.post("/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
+    @api.post("/load_lora_adapter", responses=answers)
     async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
         runtime_loading()
         if body.lora_name in state.model_names:
@@ -66,7 +69,7 @@ def add_lora_routes(api: APIRouter, state: ServerState, serving: Callable[[], ob
             raise APIError(400, str(exc), param="lora_path", code="invalid_lora", rejected="invalid_request") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @api.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=errors)
+    @api.post("/unload_lora_adapter", responses=answers)
     async def unload_lora_adapter(body: UnloadLoRARequest) -> PlainTextResponse:
         runtime_loading()
         try:

@@ -66,15 +66,13 @@ def tokens_per_second(llm: LLM, prompts: list[list[dict]], params: list[Sampling
 
 
 def measure(args: argparse.Namespace, root: Path) -> dict:
-    probe = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=16)
-    spec = probe.engine.spec
-    del probe
-    adapters = {f"adapter-{i}": write_adapter(root / f"adapter-{i}", spec, args.rank, i) for i in range(args.adapters)}
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, lora_modules=adapters,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, enable_lora=True,
               max_loras=args.adapters, max_lora_rank=args.rank, max_num_seqs=max(args.num_prompts, 1))
+    for i in range(args.adapters):  # written for the loaded model's shapes, then loaded as a server loads them
+        llm.engine.add_lora(f"adapter-{i}", write_adapter(root / f"adapter-{i}", llm.engine.spec, args.rank, i))
+    names = list(llm.engine.lora_adapters)
     every = [p.prompt for p in builtin_prompts()]
     prompts = [[{"role": "user", "content": every[i % len(every)]}] for i in range(args.num_prompts)]
-    names = list(adapters)
 
     def params(lora: list[str | None]) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, lora=name)

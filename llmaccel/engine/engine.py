@@ -195,20 +195,22 @@ class LLMEngine:
     # ---- LoRA adapters (call between steps) ------------------------------------------------------
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load a PEFT adapter directory as `name`; AdapterError (a ValueError naming the problem) if it cannot be."""
-        if self.loras is None:
-            raise InvalidRequestError("LoRA adapters are off: start with --enable-lora (or --lora-modules)")
-        return self.loras.add(name, path)
+        return self._lora_manager().add(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name`; refused while a request uses it."""
-        if self.loras is None:
-            raise InvalidRequestError("LoRA adapters are off: start with --enable-lora (or --lora-modules)")
+        manager = self._lora_manager()
         users = sum(1 for group in self._groups.values() for sample in group.samples
                     if sample.request.params.lora == name)
         if users:
             raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it after they "
                                       "finish")
-        self.loras.remove(name)
+        manager.remove(name)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are off: start with --enable-lora (or --lora-modules)")
+        return self.loras
 
     @property
     def lora_adapters(self) -> dict[str, LoRAAdapter]:

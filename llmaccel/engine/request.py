@@ -58,7 +58,7 @@ class Request:
         self.num_skipped_blocks = 0  # with a KV window: blocks freed between the sinks and the window
         self.pooled: torch.Tensor | None = None  # an embedding request: the sum (mean) or last row so far
         self.embedding: list[float] | None = None  # ... and its vector, once its prompt has run
-        self.sink_block_ids: list[int] = []
+        self.sink_block_ids: list[int] = []  # re-indexed sinks: the originals (block_ids holds turned copies)
         self.lora_slot = -1  # the slot of its LoRA adapter (lora/manager.py), -1: the base model
         self.cache_salt = ""  # starts its prefix-cache hash chain (its LoRA adapter's digest; "": the model's own)
         self.num_preemptions = 0

@@ -57,10 +57,6 @@ class LoRAAdapter:
     pieces: tuple[LoRAPiece, ...]
     digest: str  # of the weights and config: the prefix cache keys the adapter's KV by it
 
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(sorted({f"{p.module}:{p.part}" for p in self.pieces}))
-
 
 def part_rows(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
     """PEFT target -> (its first output row in llmaccel's fused projection, its rows, its input width)."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from llmaccel.lora.adapter import PARTS, LoRAPiece
+from llmaccel.model.layers import weight_bytes
 
 
 class LoRABatch:
@@ -65,8 +66,6 @@ class LoRALinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        from llmaccel.model.layers import weight_bytes
-
         return weight_bytes(self.base) + (self.a.numel() + self.b_t.numel()) * self.a.element_size()
 
     def load(self, slot: int, piece: LoRAPiece) -> None:

@@ -13,13 +13,10 @@ import torch
 from torch import nn
 
 from llmaccel.config import LoRAConfig
-from llmaccel.lora.adapter import AdapterError, LoRAAdapter, read_adapter
+from llmaccel.lora.adapter import AdapterError, LoRAAdapter, part_rows, read_adapter
 from llmaccel.lora.layers import LoRABatch, LoRALinear
 
 logger = logging.getLogger(__name__)
-
-_MODULES = ("qkv", "o", "gate_up", "down")
-
 
 def _projections(layer: nn.Module) -> dict[str, tuple[nn.Module, str]] | None:
     """A Llama-shaped layer's projections, as (owner, attribute), or None for a layer of another shape."""
@@ -36,10 +33,9 @@ class LoRAManager:
         self.dtype = dtype
         self.batch = LoRABatch(device, dtype)
         spec = model.spec
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        widths = {"qkv": (spec.hidden_size, q + 2 * kv), "o": (q, spec.hidden_size),
-                  "gate_up": (spec.hidden_size, 2 * spec.intermediate_size),
-                  "down": (spec.intermediate_size, spec.hidden_size)}
+        rows = part_rows(spec)  # each projection's (in, out) is its whole PEFT target's (width, rows)
+        widths = {name: (rows[target][2], rows[target][1]) for name, target in
+                  (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"), ("down", "down_proj"))}
         self.modules: list[dict[str, LoRALinear]] = []
         for i, layer in enumerate(model.layers):
             places = _projections(layer)
@@ -56,9 +52,9 @@ class LoRAManager:
         model.adapters = self.batch  # the model decodes layer by layer while a step's rows carry adapters
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: dict[str, int] = {}
-        extra = sum(m.a.numel() + m.b_t.numel() for layer in self.modules for m in layer.values())
+        extra = sum(m.a.nbytes + m.b_t.nbytes for layer in self.modules for m in layer.values())
         logger.info("LoRA: room for %d adapters of rank <= %d (%.0f MB of stacked matrices)", self.max_loras,
-                    self.max_rank, extra * torch.finfo(dtype).bits / 8 / 1e6)
+                    self.max_rank, extra / 1e6)
         for name, path in config.lora_modules:
             self.add(name, path)
 

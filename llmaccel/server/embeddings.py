@@ -102,8 +102,7 @@ async def embed(serving, body: EmbeddingRequest, model: str, pooling: str, owner
                        "dimensions and are not trained to be cut short; leave dimensions out",
                        param="dimensions", rejected="invalid_request")
     token_ids = input_token_ids(body, serving.tokenizer, engine.engine.spec.vocab_size)
-    lora = model if model in getattr(engine.engine, "lora_adapters", {}) else None  # an adapter's own states
-    params = SamplingParams(max_tokens=1, pooling=pooling, lora=lora)
+    params = SamplingParams(max_tokens=1, pooling=pooling, lora=serving.adapter_for(model))  # an adapter's own states
     streams = []
     try:
         for ids in token_ids:

@@ -32,15 +32,17 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's clients may send it; the name decides
 
 
+def _loaded(state: ServerState) -> dict:
+    """The adapters loaded now, by name (none before the engine is up, or on replicas, which serve none)."""
+    return getattr(getattr(state.engine, "engine", None), "lora_adapters", {})
+
+
 def adapter_names(state: ServerState) -> list[str]:
-    """The adapters loaded now (none before the engine is up, or on replicas, which serve none)."""
-    engine = getattr(state.engine, "engine", None)
-    return sorted(getattr(engine, "lora_adapters", {}))
+    return sorted(_loaded(state))
 
 
 def adapter_cards(state: ServerState, created: int, max_model_len: int) -> list[ModelCard]:
-    engine = getattr(state.engine, "engine", None)
-    adapters = getattr(engine, "lora_adapters", {})
+    adapters = _loaded(state)
     return [ModelCard(id=name, created=created, max_model_len=max_model_len, root=adapter.path,
                       parent=state.model_names[0]) for name, adapter in sorted(adapters.items())]
 

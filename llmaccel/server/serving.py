@@ -128,6 +128,11 @@ class OpenAIServing:
             structured_outputs=tools.constraint if tools is not None and tools.constraint is not None
             else request.output_constraint)
 
+    def adapter_for(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names (server/lora_routes.py), or None for the base model. Replicas
+        (cluster/remote_engine.py) serve none."""
+        return model if model in getattr(self.engine.engine, "lora_adapters", {}) else None
+
     def submit(self, request: AnyRequest, model: str, owner: str = "") -> Job:
         """Tokenize, validate and queue every prompt; all or nothing. Raises before any output. `owner`: who sent
         it, for the priority policy's fair share."""
@@ -143,9 +148,8 @@ class OpenAIServing:
         tools = tool_plan(request) if isinstance(request, p.ChatCompletionRequest) else None
         prompts = self.prompts(request, tools)
         params = [self.sampling_params(request, len(ids), tools) for ids in prompts]
-        adapters = getattr(self.engine.engine, "lora_adapters", {})
-        if model in adapters:  # the model named is a LoRA adapter (server/lora_routes.py)
-            params = [replace(sp, lora=model) for sp in params]
+        if (lora := self.adapter_for(model)) is not None:
+            params = [replace(sp, lora=lora) for sp in params]
         response_id = f"{'chatcmpl' if isinstance(request, p.ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         streams: list[Stream] = []
         outcomes: list[str] = []

@@ -51,3 +51,23 @@ def test_describe_names_the_cpu_and_its_features():
 
 def test_read_bandwidth_is_a_positive_rate():
     assert read_bandwidth_gbps(megabytes=64, repeats=2) > 0.1
+
+
+def test_memory_a_step_frees_is_reused_without_faulting_pages_in_again(monkeypatch):
+    """A 64 MB tensor allocated again after being freed (a prefill chunk's MLP output, step after step)
+    reuses the pages the first one faulted in: glibc would otherwise unmap and map it afresh."""
+    import resource
+
+    import torch
+
+    from llmaccel.platform import KEEP_FREED_MEMORY_ENV, keep_freed_memory
+
+    monkeypatch.setenv(KEEP_FREED_MEMORY_ENV, "0")
+    assert keep_freed_memory.__wrapped__() is False  # the opt-out changes nothing
+    monkeypatch.delenv(KEEP_FREED_MEMORY_ENV)
+    if not keep_freed_memory():
+        pytest.skip("not glibc's malloc")
+    torch.ones(16 << 20)  # 64 MB, freed at once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000  # 16,384 pages if mapped afresh

@@ -33,7 +33,7 @@ from llmaccel.model.loader import load_checkpoint
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.ops.kv_int8 import kv_storage_dtype
 from llmaccel.outputs import RequestMetrics, RequestOutput
-from llmaccel.platform import describe, peak_rss_bytes
+from llmaccel.platform import describe, keep_freed_memory, peak_rss_bytes
 from llmaccel.runner import ModelRunner
 from llmaccel.sampling_params import SamplingParams
 from llmaccel.spec.build import build_speculation
@@ -58,6 +58,7 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
+        keep_freed_memory()  # before the load: the KV pool and the steps' tensors come from a heap kept
         checkpoint = load_checkpoint(config.model.model)
         if config.model.rope_scaling is not None:  # --rope-scaling replaces the config's
             checkpoint.spec = replace(checkpoint.spec, rope_scaling=dict(config.model.rope_scaling))

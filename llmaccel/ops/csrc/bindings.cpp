@@ -36,6 +36,9 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w);
 bool gemm_bf16_available();
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                int64_t window, double scale);
+bool prefill_attention_available();
 torch::Tensor pack_vnni(torch::Tensor w);
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel);
 bool vnni_available();
@@ -101,6 +104,11 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("gemv_bf16", &gemv_bf16, "x @ w.T for few rows, bfloat16 weights in their plain layout, float32 sums", nogil);
   m.def("gemm_bf16", &gemm_bf16, "x @ w.T for bfloat16 batches on AVX512-BF16, w in its plain layout", nogil);
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 GEMM was compiled in", nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "a prefill chunk's attention over its context in the paged pool, bfloat16 on AVX512-BF16", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("window"), py::arg("scale"), nogil);
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "whether the bfloat16 prefill attention was compiled in (it needs AVX512-BF16)", nogil);
   m.def("pack_vnni", &pack_vnni, "bfloat16 [N, K] -> blocks of 32 columns [N / 32, K / 2, 32, 2] (AMX pairs)", nogil);
   m.def("linear_vnni", &linear_vnni, "x @ w.T for bfloat16 weights packed by pack_vnni: vnni_stream or brgemm",
         nogil);

@@ -45,6 +45,12 @@ struct StackLinear {
       return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p->quantized(); });
     return kind == kInt8 || kind == kInt4 || kind == kKQuant;
   }
+  // float weights, which read the rows as float32 (integer ones read them quantized)
+  bool reads_floats() const {
+    if (!parts.empty())
+      return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p->reads_floats(); });
+    return !quantized();
+  }
   // INT8/INT4 blocks and K-quant records, which the AMX kernel for quantized weights also reads; a fused
   // projection where every part does and each starts on a block of 32 columns
   bool amx_readable() const {
@@ -264,13 +270,15 @@ struct ProjectionInput {
     }
     if constexpr (std::is_same_v<T, float>) {
       rows = x;
+      if (w.quantized()) quantize_rows(rows, m, w.k, quantized);
     } else {
       bits = reinterpret_cast<const uint16_t*>(x);
+      if (w.quantized()) quantize_rows(bits, m, w.k, quantized);  // from the bits: no float copy
+      if (!w.reads_floats()) return;
       converted.resize(m * w.k);
       for (int64_t i = 0; i < m * w.k; ++i) converted[i] = static_cast<float>(x[i]);
       rows = converted.data();
     }
-    if (w.quantized()) quantize_rows(rows, m, w.k, quantized);
   }
 };
 

@@ -33,33 +33,133 @@
 #endif
 
 namespace llmaccel {
-void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
+namespace {
+
+// A float32 or bfloat16 row's values as float32, 16 or 8 at a time.
+inline float value_at(const float* x, int64_t j) { return x[j]; }
+inline float value_at(const uint16_t* x, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(x[j]) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#elif defined(LLMACCEL_AVX2)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// One block of 32 inputs: q = round(x / d) (to nearest even, as the vector conversions round) with
+// d = max|x| / 127, and the sums of q's halves. The vector paths compute exactly what the scalar one does
+// (the maximum and integer sums do not depend on their order), and ran ~20x faster: as scalar code the
+// quantization of a 2,048-row chunk took ~3.8 ns an input, a sixth of an INT8 projection's time.
+template <typename T>
+inline float quantize_block(const T* src, int8_t* dst, int32_t* halves) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = load16(src), b = load16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#elif defined(LLMACCEL_AVX2)
+  const __m256 v[4] = {load8(src), load8(src + 8), load8(src + 16), load8(src + 24)};
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+  top = _mm256_max_ps(top, _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+#else
+  float amax = 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(value_at(src, j)));
+#endif
+  const float d = amax / 127.0f;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
+  halves[0] = _mm512_reduce_add_epi32(qa);
+  halves[1] = _mm512_reduce_add_epi32(qb);
+#elif defined(LLMACCEL_AVX2)
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+  // packs interleave 128-bit lanes: dwords come out as (q0 lo, q1 lo, q2 lo, q3 lo, q0 hi, ...)
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  halves[0] = hsum8_epi32(_mm256_add_epi32(q[0], q[1]));
+  halves[1] = hsum8_epi32(_mm256_add_epi32(q[2], q[3]));
+#else
+  halves[0] = halves[1] = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(value_at(src, j) * inv));
+    dst[j] = static_cast<int8_t>(v);
+    halves[j / 16] += v;
+  }
+#endif
+  return d;
+}
+
+// Blocks [b0, b1) of the rows (m x k / 32 of them, row-major) into `out`, sized already.
+template <typename T>
+void quantize_blocks(const T* x, int64_t b0, int64_t b1, QuantizedRows& out) {
+  for (int64_t i = b0; i < b1; ++i) {
+    int32_t* halves = out.qsum16.data() + 2 * i;
+    const float d = quantize_block(x + i * kBlock, out.q.data() + i * kBlock, halves);
+    const int32_t sum = halves[0] + halves[1];
+    out.d[i] = d;
+    out.dsum[i] = d * static_cast<float>(sum);
+    out.qsum[i] = sum;
+  }
+}
+
+void size_for(int64_t m, int64_t k, QuantizedRows& out) {
   const int64_t nb = k / kBlock;
   out.q.resize(m * k);
   out.d.resize(m * nb);
   out.dsum.resize(m * nb);
   out.qsum.resize(m * nb);
   out.qsum16.resize(2 * m * nb);
-  for (int64_t i = 0; i < m * nb; ++i) {
-    const float* src = x + i * kBlock;
-    int8_t* dst = out.q.data() + i * kBlock;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
-    const float d = amax / 127.0f;
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t halves[2] = {0, 0};
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
-      dst[j] = static_cast<int8_t>(v);
-      halves[j / 16] += v;
-    }
-    const int32_t sum = halves[0] + halves[1];
-    out.d[i] = d;
-    out.dsum[i] = d * static_cast<float>(sum);
-    out.qsum[i] = sum;
-    out.qsum16[2 * i] = halves[0];
-    out.qsum16[2 * i + 1] = halves[1];
-  }
+}
+
+}  // namespace
+
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
+  size_for(m, k, out);
+  quantize_blocks(x, 0, m * (k / kBlock), out);
+}
+
+void quantize_rows(const uint16_t* x, int64_t m, int64_t k, QuantizedRows& out) {
+  size_for(m, k, out);
+  quantize_blocks(x, 0, m * (k / kBlock), out);
+}
+
+void quantize_input(const torch::Tensor& x, QuantizedRows& out) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, a multiple of 32]");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  auto xc = bf16 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), blocks = m * (k / kBlock);
+  size_for(m, k, out);
+  at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
+    if (bf16)
+      quantize_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), b0, b1, out);
+    else
+      quantize_blocks(xc.data_ptr<float>(), b0, b1, out);
+  });
 }
 
 namespace {
@@ -69,13 +169,25 @@ constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows
 // Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group of 16 weight rows: their sums
 // sum_b d_b * scale_b * dot_b (grouped) or sum_b d_b * dot_b (the row scale applied by the caller).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kPassRows = 4;
+constexpr int kPassRows = 8;
+// Blocks alternate between two sums (even, odd) and are unrolled in pairs, so the loop has no branch;
+// activations, their scales and sums are broadcast straight from memory (the compiler's GPR round trip
+// and a branch a block kept the kernel at ~0.6x of its vpdpbusd rate at 2,048 rows).
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
                 int64_t i0, int rows, float* sums) {
   __m512 even[MR], odd[MR];
   for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  const int32_t* xq[MR];
+  const float* xd[MR];
+  const int32_t* xs[MR];
+  for (int r = 0; r < MR; ++r) {
+    const int64_t i = i0 + std::min(r, rows - 1);  // rows past the real ones repeat the last (not stored)
+    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
+    xd[r] = a.d.data() + i * nb;
+    xs[r] = a.qsum.data() + i * nb;
+  }
+  auto step = [&](int64_t b, __m512* acc) {
     const uint8_t* block = group + b * stride;
     __m512i w[8];  // the weights + 128, unsigned: one u8 x s8 instruction a chunk, corrected below
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(block + 64 * t);
@@ -83,24 +195,24 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
         grouped ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kWeightBytes)))
                 : _mm512_set1_ps(1.0f);
     for (int r = 0; r < MR; ++r) {
-      if (r == rows) break;
-      const int64_t i = i0 + r;
-      int32_t x4[8];
-      std::memcpy(x4, a.q.data() + i * k + b * kBlock, sizeof(x4));
+      const int32_t* x4 = xq[r] + 8 * b;
       __m512i dot_a = _mm512_setzero_si512(), dot_b = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
         dot_a = _mm512_dpbusd_epi32(dot_a, w[t], _mm512_set1_epi32(x4[t]));
         dot_b = _mm512_dpbusd_epi32(dot_b, w[t + 1], _mm512_set1_epi32(x4[t + 1]));
       }
       // (w + 128) . x - 128 * sum(x) = w . x, exactly
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_set1_epi32(128 * a.qsum[i * nb + b]));
-      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[i * nb + b]));
-      if (b & 1)
-        odd[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), odd[r]);
-      else
-        even[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), even[r]);
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(xs[r][b]), 7));
+      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+      acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), acc[r]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    step(b, even);
+    step(b + 1, odd);
   }
+  if (b < nb) step(b, even);
   for (int r = 0; r < rows; ++r) _mm512_storeu_ps(sums + r * kGroupRows, _mm512_add_ps(even[r], odd[r]));
 }
 
@@ -193,7 +305,8 @@ LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, 
     for (int64_t i0 = 0; i0 < m; i0 += kPassRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPassRows, m - i0));
       const bool grouped = row_scale == nullptr;  // a pass of exactly the rows left (a row's arithmetic is the same)
-      if (kPassRows >= 4 && rows == 4) group_pass<(kPassRows >= 4 ? 4 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
+      if (kPassRows >= 8 && rows > 4) group_pass<(kPassRows >= 8 ? 8 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
+      else if (kPassRows >= 4 && rows == 4) group_pass<(kPassRows >= 4 ? 4 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else if (kPassRows >= 3 && rows == 3) group_pass<(kPassRows >= 3 ? 3 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else if (kPassRows >= 2 && rows == 2) group_pass<(kPassRows >= 2 ? 2 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else group_pass<1>(a, group, nb, stride, grouped, k, i0, rows, sums);
@@ -240,11 +353,11 @@ torch::Tensor blocks_product(const torch::Tensor& x, const torch::Tensor& blocks
   check_groups_fit(blocks, n);
   const int64_t k = blocks.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t m = xf.size(0);
-  QuantizedRows a;
-  quantize_rows(xf.data_ptr<float>(), m, k, a);
-  auto y = torch::empty({m, n}, xf.options());
+  const int64_t m = x.size(0);
+  static thread_local QuantizedRows kept;  // its storage reused: fresh, a chunk's rows were zeroed and faulted in
+  QuantizedRows& a = kept;
+  quantize_input(x, a);
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
   const int64_t groups = blocks.size(0), threads = at::get_num_threads();
   at::parallel_for(0, groups, (groups + threads - 1) / threads,

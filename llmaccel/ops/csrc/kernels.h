@@ -64,8 +64,12 @@ struct QuantizedRows {
   std::vector<int32_t> qsum16;  // [M, K / 16]: sum(q) of each half block (Q6_K's -32 correction, kquant.cpp)
 };
 
-// Fills `out` (reusing its storage) with the M x K rows x.
+// Fills `out` (reusing its storage) with the M x K rows x, float32 or bfloat16 (as bits).
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
+void quantize_rows(const uint16_t* x, int64_t m, int64_t k, QuantizedRows& out);
+// The same for a torch entry point's input [M, K] (bfloat16 read as it is, else as float32), the rows'
+// blocks split between ATen's threads.
+void quantize_input(const at::Tensor& x, QuantizedRows& out);
 
 // y[i, r] for rows i < m and output columns r in [n0, n1), y's rows `ldy` apart.
 // INT8 weights in gemv.cpp's blocks [ceil(N / 16), K / 32, 512 (+ 32 with their float16 scales)]: the row groups

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from llmaccel.engine_args import add_engine_arguments, engine_options
+from llmaccel.platform import keep_freed_memory
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(level, int):
         parser.error(f"--log-level {args.log_level!r}: choose DEBUG, INFO, WARNING or ERROR")
     logging.getLogger("llmaccel").setLevel(level)
+    keep_freed_memory()  # before any thread starts: the server's threads then share the one kept heap
     try:
         return args.func(args)
     except ValueError as exc:  # every user mistake is a ValueError with a message that says what to change

@@ -102,7 +102,7 @@ def peak_rss_bytes() -> int:
 
 
 KEEP_FREED_MEMORY_ENV = "LLMACCEL_KEEP_FREED_MEMORY"  # 0: leave glibc's malloc as it is
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameters (malloc.h)
 
 
 @functools.cache
@@ -114,7 +114,9 @@ def keep_freed_memory() -> bool:
     at the 1B shape is 64-128 MB): 3.7 million page faults and 7.9 s of kernel time in an 8k-token prompt's
     prefill, whose first token came 11% sooner without them (Q8_0 1B shape, 2-core Zen 4). With mmap off
     and the heap trimmed only past 1 GiB free, freed blocks are reused; peak RSS is unchanged, and memory
-    freed after a peak stays with the process (up to 1 GiB at the heap's top) for the next one. vLLM's and
+    freed after a peak stays with the process (up to 1 GiB at the heap's top) for the next one. One arena:
+    a thread's own (the server's engine thread) kept faulting its pages in as before. Called first thing by
+    the CLI, before any thread has an arena, and by the engine. vLLM's and
     IPEX's CPU guides preload tcmalloc or jemalloc for the same reason; this needs no preload."""
     if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0" or _platform.system() != "Linux":
         return False
@@ -125,7 +127,8 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return all(mallopt(parameter, value) for parameter, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
+                                                                (_M_TRIM_THRESHOLD, 1 << 30)))
 
 
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:

@@ -146,7 +146,7 @@ inline void softmax_row(const Row& row, int64_t first_key, int64_t window, float
   for (int c = 1; c < kKeyRegs; ++c) top_lanes = _mm512_max_ps(top_lanes, s[c]);
   // scale > 0: the largest score is the largest scaled one
   const float top = std::max(max, _mm512_reduce_max_ps(top_lanes) * scale);
-  alpha = std::exp(max - top);  // 0 at the first block seen (max = -inf)
+  alpha = top == max ? 1.0f : std::exp(max - top);  // 0 at the first block seen (max = -inf)
   const __m512 t = _mm512_set1_ps(-top), sc = _mm512_set1_ps(scale);
   __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(alpha));
   for (int c = 0; c < kKeyRegs; c += 2) {

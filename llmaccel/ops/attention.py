@@ -2,8 +2,9 @@
 
 The batch is laid out as [decode tokens | prefill chunks]: sequences that feed one token this step
 come first and are handled together by a paged decode kernel (C++ on the CPU, the torch reference
-elsewhere); each prefill chunk then attends causally to its cached context plus itself. New keys and
-values are written into the pool at `slot_mapping` before attention reads it.
+elsewhere); each prefill chunk then attends causally to its cached context plus itself (in bfloat16 on an
+AVX512-BF16 CPU without AMX: csrc/prefill_attention.cpp, straight from the pool; else torch's attention over the
+gathered context). New keys and values are written into the pool at `slot_mapping` before attention reads it.
 
 A sliding-window layer (Mistral's `sliding_window`) passes `window`: the query at position p then sees
 only keys p - window + 1 .. p, as HF masks them. Positions are measured in the block table, which is

@@ -202,7 +202,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
         dot_b = _mm512_dpbusd_epi32(dot_b, w[t + 1], _mm512_set1_epi32(x4[t + 1]));
       }
       // (w + 128) . x - 128 * sum(x) = w . x, exactly
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(xs[r][b]), 7));
+      const __m512i dot =
+          _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(xs[r][b]), 7));
       const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
       acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), acc[r]);
     }

@@ -1,17 +1,17 @@
 // Prefill attention on AVX512-BF16: a chunk of queries against its whole context, read from the paged
-// KV pool through the context's slots, flash-style (an online softmax over blocks of 32 keys).
+// KV pool through the context's slots, flash-style (an online softmax over blocks of 64 keys).
 //
 // torch's CPU flash attention ran at ~140 GFLOP/s in bfloat16 on a 2-core AMD EPYC Zen 4 (no AMX), a
 // third of what vdpbf16ps gives the projections, so at an 8k prompt on the 1B shape attention took
 // over half the prefill. Here both products run on vdpbf16ps:
-// - scores: a row's query pairs (q[2p], q[2p + 1]) are broadcast against a block of 32 keys packed
-//   pair-major (one register holds pair p of 16 keys), 8 rows at a time;
+// - scores: a row's query pairs (q[2p], q[2p + 1]) are broadcast against a block of 64 keys packed
+//   pair-major (one register holds pair p of 16 keys), 4 rows at a time;
 // - values: the probabilities, rounded to bfloat16 as torch's kernel rounds them, are broadcast in
 //   pairs of keys against values packed (v[2j, d], v[2j + 1, d]) along d.
 // The query heads that share a KV head are rows of one task, so a packed key block serves all of them.
 //
 // A row's result depends on nothing but its own query and keys: blocks are aligned to absolute key
-// positions (0, 32, 64, ...) and visited in order, keys a row does not see score -inf and add exactly
+// positions (0, 64, 128, ...) and visited in order, keys a row does not see score -inf and add exactly
 // nothing, and the sums run in a fixed order. So a token's attention is the same to the bit whether its
 // prompt is prefilled whole, in chunks of any size, or after a prefix-cache hit.
 #include "aten.h"
@@ -162,7 +162,8 @@ inline void softmax_row(const Row& row, int64_t first_key, int64_t window, float
   max = top;
 }
 
-// Attention of rows [0, count) (count a multiple of kScoreRows and kValueRows, rows past the real ones padding) over blocks.
+// Attention of rows [0, count) over the blocks (count a multiple of kScoreRows and kValueRows; rows past
+// the real ones are padding).
 void attend(const Row* rows, int64_t count, const std::vector<Block>& blocks, int64_t dim, int64_t window,
             float scale, Scratch& w) {
   std::fill(w.max.begin(), w.max.begin() + count, -std::numeric_limits<float>::infinity());
@@ -173,8 +174,8 @@ void attend(const Row* rows, int64_t count, const std::vector<Block>& blocks, in
     for (int64_t r = 0; r < count; r += kScoreRows)
       score_tile(rows + r, block.keys, pairs, w.scores.data() + r * kKeys);
     for (int64_t r = 0; r < count; ++r)
-      softmax_row(rows[r], block.first_key, window, scale, w.scores.data() + r * kKeys, w.max[r], w.sum.data() + 16 * r,
-                  w.alpha[r], w.probs.data() + r * kKeys / 2);
+      softmax_row(rows[r], block.first_key, window, scale, w.scores.data() + r * kKeys, w.max[r],
+                  w.sum.data() + 16 * r, w.alpha[r], w.probs.data() + r * kKeys / 2);
     for (int64_t r = 0; r < count; r += kValueRows) {
       const uint32_t* probs = w.probs.data() + r * kKeys / 2;
       float* out = w.out.data() + r * dim;

@@ -35,14 +35,25 @@ inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Hal
 inline void store_row(const float* sums, float* y, int64_t cols) { std::memcpy(y, sums, cols * sizeof(float)); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group: 16 outputs each.
+// Rows i0 .. i0 + rows - 1 (rows <= MR; spare lanes repeat the last row, not stored) of x against one group:
+// 16 outputs each. Block pairs unrolled (even, odd) with no branch, activations broadcast straight from memory
+// (copied out first, each went through a general register: gemv.cpp's INT8 kernel says what that cost).
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t k, int64_t i0, int rows,
                 float* y, int64_t ldy, int64_t cols) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 even[MR], odd[MR];
   for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  const int32_t* xq[MR];
+  const float* xd[MR];
+  const float* xs[MR];
+  for (int r = 0; r < MR; ++r) {
+    const int64_t i = i0 + std::min(r, rows - 1);
+    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
+    xd[r] = a.d.data() + i * nb;
+    xs[r] = a.dsum.data() + i * nb;
+  }
+  auto step = [&](int64_t b, __m512* accs) {
     const uint8_t* block = group + b * kInt4BlockBytes;
     __m512i lo[4], hi[4];
     for (int t = 0; t < 4; ++t) {
@@ -53,25 +64,27 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kScaleAt)));
     const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kOffsetAt)));
     for (int r = 0; r < MR; ++r) {
-      if (r == rows) break;
-      const int64_t i = i0 + r;
-      int32_t x4[8];  // the block's 32 activation bytes, four at a time
-      std::memcpy(x4, a.q.data() + i * k + b * kBlock, sizeof(x4));
+      const int32_t* x4 = xq[r] + 8 * b;  // the block's 32 activation bytes, four at a time
       __m512i dot_lo = _mm512_setzero_si512(), dot_hi = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
         dot_lo = _mm512_dpbusd_epi32(dot_lo, lo[t], _mm512_set1_epi32(x4[2 * t]));
         dot_hi = _mm512_dpbusd_epi32(dot_hi, hi[t], _mm512_set1_epi32(x4[2 * t + 1]));
       }
-      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[i * nb + b]));
+      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot_lo, dot_hi));
       // the block's offset term joins its accumulator by FMA, after its dot: a fixed order of builtins the
       // compiler may not reassociate under -ffast-math (a third accumulator summed at the end was, for one
       // row a pass and not for more, so a row's result depended on the rows beside it)
-      __m512& acc = b & 1 ? odd[r] : even[r];
-      acc = _mm512_fmadd_ps(ds, dot, acc);
-      acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum[i * nb + b]), acc);
+      accs[r] = _mm512_fmadd_ps(ds, dot, accs[r]);
+      accs[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r][b]), accs[r]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    step(b, even);
+    step(b + 1, odd);
   }
+  if (b < nb) step(b, even);
   for (int r = 0; r < rows; ++r) {
     alignas(64) float sums[kGroupRows];
     _mm512_store_ps(sums, _mm512_add_ps(even[r], odd[r]));

@@ -116,8 +116,8 @@ def keep_freed_memory() -> bool:
     and the heap trimmed only past 1 GiB free, freed blocks are reused; peak RSS is unchanged, and memory
     freed after a peak stays with the process (up to 1 GiB at the heap's top) for the next one. One arena:
     a thread's own (the server's engine thread) kept faulting its pages in as before. Called first thing by
-    the CLI, before any thread has an arena, and by the engine. vLLM's and
-    IPEX's CPU guides preload tcmalloc or jemalloc for the same reason; this needs no preload."""
+    the CLI, before any thread has an arena, and by the engine. vLLM's and IPEX's CPU guides preload tcmalloc
+    or jemalloc for the same reason; this needs no preload."""
     if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0" or _platform.system() != "Linux":
         return False
     try:

@@ -108,6 +108,17 @@ def test_int8_block_layout_and_rows(grouped):
         kernels.int8_rows(blocks, row_scale, torch.tensor([32]))
 
 
+def test_bfloat16_activations_are_read_as_their_float32_values():
+    """A bfloat16 input is quantized from its bits, split between threads (64 x 18 blocks): the same INT8
+    activations, so the same sums, as its float32 widening gives."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 48, 576
+    packed = pack_int8_blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                              torch.rand(n, k // BLOCK, generator=gen).half().float())
+    x = torch.randn(64, k, generator=gen).bfloat16()
+    assert torch.equal(kernels.gemv_i8(x, *packed, n), kernels.gemv_i8(x.float(), *packed, n))
+
+
 def test_int8_is_batch_invariant():
     gen = torch.Generator().manual_seed(6)
     n, k = 100, 576

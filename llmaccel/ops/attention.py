@@ -210,8 +210,8 @@ class PagedAttention:
 
 def prefill_kernel(kernels) -> Callable | None:
     """csrc/prefill_attention.cpp's bfloat16 prefill attention where it is the faster one: on AVX512-BF16
-    without AMX. There torch's flash kernel ran at ~140 GFLOP/s and this one at ~310 (an 8k prompt's 16
-    layers at the 1B shape on a 2-core Zen 4: 31 s -> 14 s of attention); on an AMX CPU torch's kernel
+    without AMX. There torch's flash kernel ran at ~140 GFLOP/s and this one at ~330 (an 8k prompt's 16
+    layers at the 1B shape on a 2-core Zen 4: 31 s -> 13 s of attention); on an AMX CPU torch's kernel
     computes on the tiles (oneDNN brgemm), which this one does not use."""
     if kernels is None or not getattr(kernels, "prefill_attention_available", lambda: False)():
         return None

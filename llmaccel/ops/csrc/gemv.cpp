@@ -38,23 +38,14 @@ namespace {
 // A float32 or bfloat16 row's values as float32, 16 or 8 at a time.
 inline float value_at(const float* x, int64_t j) { return x[j]; }
 inline float value_at(const uint16_t* x, int64_t j) {
-  const uint32_t bits = static_cast<uint32_t>(x[j]) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
+  return to_float(c10::BFloat16(x[j], c10::BFloat16::from_bits()));
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const uint16_t* x) { return widen16(reinterpret_cast<const c10::BFloat16*>(x)); }
 #elif defined(LLMACCEL_AVX2)
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const uint16_t* x) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+inline __m256 load8(const uint16_t* x) { return widen8(x); }
 inline int32_t hsum8_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -148,8 +139,10 @@ void quantize_rows(const uint16_t* x, int64_t m, int64_t k, QuantizedRows& out) 
   quantize_blocks(x, 0, m * (k / kBlock), out);
 }
 
-void quantize_input(const torch::Tensor& x, QuantizedRows& out) {
+const QuantizedRows& quantize_input(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, a multiple of 32]");
+  static thread_local QuantizedRows kept;  // its storage reused: fresh, a chunk's rows were zeroed and faulted in
+  QuantizedRows& out = kept;  // by reference: inside the lambda below, `kept` would name each worker's own
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   auto xc = bf16 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), blocks = m * (k / kBlock);
@@ -160,6 +153,7 @@ void quantize_input(const torch::Tensor& x, QuantizedRows& out) {
     else
       quantize_blocks(xc.data_ptr<float>(), b0, b1, out);
   });
+  return out;
 }
 
 namespace {
@@ -355,9 +349,7 @@ torch::Tensor blocks_product(const torch::Tensor& x, const torch::Tensor& blocks
   const int64_t k = blocks.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
   const int64_t m = x.size(0);
-  static thread_local QuantizedRows kept;  // its storage reused: fresh, a chunk's rows were zeroed and faulted in
-  QuantizedRows& a = kept;
-  quantize_input(x, a);
+  const QuantizedRows& a = quantize_input(x);
   auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
   const int64_t groups = blocks.size(0), threads = at::get_num_threads();

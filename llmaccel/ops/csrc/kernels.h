@@ -33,6 +33,11 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// 8 bfloat16 (as bits) as float32 in a register.
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -68,8 +73,8 @@ struct QuantizedRows {
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
 void quantize_rows(const uint16_t* x, int64_t m, int64_t k, QuantizedRows& out);
 // The same for a torch entry point's input [M, K] (bfloat16 read as it is, else as float32), the rows'
-// blocks split between ATen's threads.
-void quantize_input(const at::Tensor& x, QuantizedRows& out);
+// blocks split between ATen's threads, into the calling thread's storage (kept for its next call).
+const QuantizedRows& quantize_input(const at::Tensor& x);
 
 // y[i, r] for rows i < m and output columns r in [n0, n1), y's rows `ldy` apart.
 // INT8 weights in gemv.cpp's blocks [ceil(N / 16), K / 32, 512 (+ 32 with their float16 scales)]: the row groups

@@ -544,9 +544,7 @@ torch::Tensor gemv_kq(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64
   const int64_t k = blocks.size(1) * kSuper;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
   const int64_t m = x.size(0);
-  static thread_local QuantizedRows kept;  // its storage reused: fresh, a chunk's rows were zeroed and faulted in
-  QuantizedRows& a = kept;
-  quantize_input(x, a);
+  const QuantizedRows& a = quantize_input(x);
   auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();

@@ -31,12 +31,6 @@ inline float bf16_to_float(uint16_t v) {
   return out;
 }
 
-#ifdef LLMACCEL_BF16_AVX2
-inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#endif
 
 // Weight row r against activation rows i0 .. i0 + G - 1. Per activation row, four accumulators of eight
 // float32 lanes go over K 32 at a time (AVX2) (one chain would wait on FMA latency), then are summed, then the
@@ -53,8 +47,8 @@ void bf16_row_group(const float* x, const uint16_t* wr, float* y, int64_t ldy, i
   __m256 c[G][4];
   for (int g = 0; g < G; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = _mm256_setzero_ps();
   for (int64_t j = 0; j < k32; j += 32) {
-    const __m256 w0 = load_bf16x8(wr + j), w1 = load_bf16x8(wr + j + 8), w2 = load_bf16x8(wr + j + 16),
-                 w3 = load_bf16x8(wr + j + 24);
+    const __m256 w0 = widen8(wr + j), w1 = widen8(wr + j + 8), w2 = widen8(wr + j + 16),
+                 w3 = widen8(wr + j + 24);
     for (int g = 0; g < G; ++g) {
       const float* xr = x + (i0 + g) * k + j;
       c[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, c[g][0]);

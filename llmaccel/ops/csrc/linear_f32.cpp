@@ -76,10 +76,7 @@ inline float widen(F16Bits w) { return static_cast<float>(c10::Half(w.v, c10::Ha
 #ifdef LLMACCEL_LINEAR_AVX2
 // Eight weights from p as float32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const Bf16Bits* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+inline __m256 load8(const Bf16Bits* p) { return widen8(reinterpret_cast<const uint16_t*>(p)); }
 inline __m256 load8(const F16Bits* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 

@@ -119,11 +119,12 @@ def test_an_int8_kv_cache_at_head_dim_64_takes_the_stack_to_the_bit(tmp_path, ti
 
 
 @pytest.mark.parametrize("name", STACKED)
-@pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn", "vnni_stream", "brgemm"])
+@pytest.mark.parametrize("kernel", ["stream", "gemm", "onednn", "vnni_stream", "brgemm", "compact_stream",
+                                    "compact_gemm"])
 def test_bfloat16_batches_take_the_stack_to_the_bit_with_each_kernel(tiny_model_dirs, name, kernel, monkeypatch):
     """Three sequences decode together: the stack streams, runs the AVX512-BF16 GEMM inside its region, or
     calls oneDNN between its phases, as the layer path does at the same rows; with the weights packed for
-    AMX it streams them or runs oneDNN's brgemm inside its region."""
+    AMX it streams them or runs oneDNN's brgemm inside its region; in the compact layout it decodes them."""
     if kernel not in candidates():
         pytest.skip(f"no {kernel} kernel on this CPU")
     monkeypatch.setenv(FORCE_ENV, kernel)

@@ -45,6 +45,8 @@ def stack_linear(kernels, module: nn.Module):
         return kernels.stack_linear("f32", module.panels, None, bias, module.out_features)
     if isinstance(module, Linear) and module.vnni is not None:
         return kernels.stack_linear("bf16_vnni", module.vnni, None, bias, module.out_features)
+    if isinstance(module, Linear) and module.compact is not None:
+        return kernels.stack_linear("bf16_compact", module.compact, None, bias, module.out_features)
     if (isinstance(module, Linear) and module.weight is not None and module.weight.dtype == torch.bfloat16
             and module.weight.device.type == "cpu"):
         return kernels.stack_linear("bf16", module.weight, None, bias, module.out_features)

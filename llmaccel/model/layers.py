@@ -13,6 +13,8 @@ from torch import nn
 from llmaccel.model.rope import rope_tables
 from llmaccel.ops.cpu_linear import (
     bf16_linear,
+    compact_linear,
+    compact_rows,
     pack_panels,
     pack_weight,
     packed_linear,
@@ -21,7 +23,7 @@ from llmaccel.ops.cpu_linear import (
     vnni_linear,
     vnni_rows,
 )
-from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, pack_vnni
+from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, layout_weight
 from llmaccel.ops.layer_ops import gelu_tanh_mul, kernels_for, rms_norm_reference, rope_reference, silu_mul
 from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import quantize
@@ -93,9 +95,9 @@ class Linear(nn.Module):
     """y = x W^T (+ b), holding one copy of the weight. Float32 on the CPU: llmaccel's panel layout
     and kernel at every row count, or (no AVX2 build) oneDNN's pre-packed layout (ops/cpu_linear.py);
     otherwise the plain weight and F.linear (bfloat16 on the CPU: the kernel its `bf16_choice` names for
-    the rows, in that choice's layout: plain, or packed for AMX in `vnni` once `set_bf16_choice` asks for
-    it). The quantization issue swaps this module for packed-integer variants. `rows(ids)` looks rows
-    up (a tied embedding table) where the layout allows."""
+    the rows, in that choice's layout: plain, packed for AMX in `vnni`, or 12 bits a weight in `compact`
+    once `set_bf16_choice` asks for it). The quantization issue swaps this module for packed-integer
+    variants. `rows(ids)` looks rows up (a tied embedding table) where the layout allows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_half: bool = False) -> None:
         """`keep_half`: a bfloat16 / float16 weight in a float32 model stays in its dtype, in half-precision
@@ -112,21 +114,25 @@ class Linear(nn.Module):
         self.packed = pack_weight(weight) if self.panels is None else None
         self.weight = weight if self.panels is None and self.packed is None else None
         self.vnni: torch.Tensor | None = None  # a bf16 weight packed for AMX, in place of `weight`
+        self.compact: torch.Tensor | None = None  # a bf16 weight in 12 bits a weight, in place of `weight`
         self.bf16_choice = DEFAULT_CHOICE  # which kernel at which rows, for a bf16 CPU weight (tuned at load)
 
     @property
     def is_bf16(self) -> bool:
         """Whether this is a bf16 CPU weight, which runs the kernels `bf16_choice` names."""
-        if self.vnni is not None:
+        if self.vnni is not None or self.compact is not None:
             return True
         return self.weight is not None and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
 
     def set_bf16_choice(self, choice: Bf16Choice) -> None:
         """Run `choice`'s kernels from now on, the weight moved into its layout (one copy either way)."""
-        if choice.layout == "vnni" and self.vnni is None:
-            self.vnni, self.weight = pack_vnni(self.weight), None
-        elif choice.layout != "vnni" and self.vnni is not None:
-            raise ValueError("a packed bf16 weight cannot go back to the plain layout")
+        held = "vnni" if self.vnni is not None else "compact" if self.compact is not None else "plain"
+        if choice.layout != held and held != "plain":
+            raise ValueError(f"a bf16 weight in the {held} layout cannot move to the {choice.layout} one")
+        if choice.layout == "vnni" and held == "plain":
+            self.vnni, self.weight = layout_weight(self.weight, "vnni"), None
+        elif choice.layout == "compact" and held == "plain":
+            self.compact, self.weight = layout_weight(self.weight, "compact"), None
         self.bf16_choice = choice
 
     @property
@@ -138,6 +144,8 @@ class Linear(nn.Module):
             return self.out_features * self.in_features * 4 + bias
         if self.vnni is not None:  # bf16, columns padded to a whole block of 32
             return self.vnni.numel() * 2 + bias
+        if self.compact is not None:
+            return self.compact.numel() + bias
         return self.weight.numel() * self.weight.element_size() + bias
 
     @property
@@ -149,6 +157,8 @@ class Linear(nn.Module):
             return panel_rows(self.panels, ids)
         if self.vnni is not None:
             return vnni_rows(self.vnni, ids)
+        if self.compact is not None:
+            return compact_rows(self.compact, ids)
         if self.weight is None:
             raise ValueError("a oneDNN-packed weight cannot be read by rows")
         return F.embedding(ids, self.weight)
@@ -160,6 +170,8 @@ class Linear(nn.Module):
             return packed_linear(x, self.packed, self.bias)
         if self.vnni is not None:
             return vnni_linear(x, self.vnni, self.out_features, self.bias, self.bf16_choice)
+        if self.compact is not None:
+            return compact_linear(x, self.compact, self.out_features, self.bias, self.bf16_choice)
         if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
             return bf16_linear(x, self.weight, self.bias, self.bf16_choice)
         return F.linear(x, self.weight, self.bias)

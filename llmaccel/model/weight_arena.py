@@ -41,7 +41,7 @@ def _return_freed_memory() -> None:
 
 def _weight_attribute(module: nn.Module) -> str | None:
     """The name of the tensor a decode step streams from this module, or None if it holds none."""
-    for name in ("panels", "blocks", "vnni", "weight"):
+    for name in ("panels", "blocks", "vnni", "compact", "weight"):
         value = getattr(module, name, None)
         if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_contiguous():
             return name

@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.ops.gemv import PANEL, gemv_kernels, to_panels
 from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, run_bf16
 
@@ -71,6 +72,21 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), packed, n)
     out = out.to(x.dtype).reshape(*x.shape[:-1], n)
     return out if bias is None else out + bias
+
+
+def compact_linear(x: torch.Tensor, compact: torch.Tensor, n: int, bias: torch.Tensor | None,
+                   choice: Bf16Choice) -> torch.Tensor:
+    """x @ W.T (+ bias) for a bf16 weight in the compact layout (ops/csrc/bf16_compact.cpp), in x's dtype, by
+    the compact kernel `choice` names for x's rows. Any leading dims; the rows run in bfloat16."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), compact, n)
+    out = out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return out if bias is None else out + bias
+
+
+def compact_rows(compact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a bf16 weight held in the compact layout: an embedding lookup."""
+    return load_cpu_kernels().unpack_bf16_compact(compact, ids.cpu()).to(ids.device)
 
 
 def vnni_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,15 @@ The model holds one copy of each bf16 weight, in one of two layouts, each with i
   stack's phases);
 - `vnni` (csrc/linear_vnni.cpp: blocks of 32 columns of input pairs, the layout AMX tiles read):
   `vnni_stream` (few rows) and `brgemm` (oneDNN's AMX micro-kernel inside llmaccel's own threads),
-  where torch's brgemm can pack bf16 (an AMX CPU).
+  where torch's brgemm can pack bf16 (an AMX CPU);
+- `compact` (csrc/bf16_compact.cpp: 12 bits a weight, lossless): `compact_stream` and `compact_gemm`, the
+  plain kernels' sums to the bit from 0.75 of the bytes, where AVX512-BF16 was compiled. Chosen within
+  COMPACT_TOLERANCE of the fastest layout: it also holds the model in 0.75 of the memory.
 Which wins depends on the CPU, the shape and the rows (a 2-core AMD EPYC Zen 4: the GEMM 1.1-1.25x oneDNN
 at 64 rows; a 2-core Xeon with AMX: brgemm several times oneDNN from 4 rows up), so none is assumed:
 `tune_bf16` times every candidate at every row bucket on the model's own weights, after checking its
 output against float64, keeps each layout's fastest per bucket, then the layout that is faster over the
-buckets (the geometric mean of the per-bucket ratios). The layers' projections take one choice (the
+buckets (the geometric mean; `pick_layout`). The layers' projections take one choice (the
 fastest in sum over qkv, o, gate_up and down), so the decode stack and the layer-by-layer path run the
 same kernel at the same rows and agree to the bit; the LM head takes its own. Up to DECODE_ROWS rows
 the layers are timed over one pass through every layer's projections, as a decode step reads them. The
@@ -50,10 +53,18 @@ STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads ev
 # depends on where they come from: these buckets are timed over every layer's projections in turn, as a
 # decode step reads them, not over one layer's, which stay in cache between repeats. On the AMX Xeon one
 # layer's timing picked vnni_stream for one row (13% ahead of brgemm in cache) while brgemm decoded the
-# lone request faster (69.6 against 65.8 tok/s), and the two kernels round differently.
-DECODE_ROWS = 2
+# lone request faster (69.6 against 65.8 tok/s), and the two kernels round differently. Up to 16 rows:
+# the compact layout reads 0.75 of the bytes and decodes them, which loses in cache (4-16 rows of a 1B
+# shape's layer: 1.0-1.3x the plain kernels' time on a Zen 4) and wins from memory, as a step reads.
+DECODE_ROWS = 16
 MAX_RELATIVE_ERROR = 2e-2  # bf16 outputs carry ~4e-3; a wrong kernel is off by far more
-PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout; the rest read plain
+PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout
+COMPACT_KERNELS = ("compact_stream", "compact_gemm")  # the kernels that read the compact layout; the rest plain
+
+
+def kernel_layout(kernel: str) -> str:
+    """The weight layout a kernel reads: plain, vnni or compact."""
+    return "vnni" if kernel in PACKED_KERNELS else "compact" if kernel in COMPACT_KERNELS else "plain"
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,7 @@ class Bf16Choice:
     layout: str = "plain"
 
     def __post_init__(self) -> None:
-        if any((kernel in PACKED_KERNELS) != (self.layout == "vnni") for _, kernel in self.buckets):
+        if any(kernel_layout(kernel) != self.layout for _, kernel in self.buckets):
             raise ValueError(f"a {self.layout} layout's choice names another layout's kernel: {self.buckets}")
 
     def kernel(self, rows: int) -> str:
@@ -100,7 +111,7 @@ def forced_choice() -> Bf16Choice | None:
         return None
     if name not in candidates():
         raise ValueError(f"${FORCE_ENV}={name!r} is not a kernel this machine has: {', '.join(candidates())}")
-    return Bf16Choice(((1 << 30, name),), "vnni" if name in PACKED_KERNELS else "plain")
+    return Bf16Choice(((1 << 30, name),), kernel_layout(name))
 
 
 def candidates() -> tuple[str, ...]:
@@ -109,7 +120,13 @@ def candidates() -> tuple[str, ...]:
         return ("onednn",)
     gemm = hasattr(kernels, "gemm_bf16_available") and kernels.gemm_bf16_available()
     packed = PACKED_KERNELS if hasattr(kernels, "vnni_available") and kernels.vnni_available() else ()
-    return ("stream", "gemm", "onednn", *packed) if gemm else ("stream", "onednn", *packed)
+    compact = COMPACT_KERNELS if compact_available() else ()
+    return ("stream", "gemm", "onednn", *packed, *compact) if gemm else ("stream", "onednn", *packed)
+
+
+def compact_available() -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and hasattr(kernels, "bf16_compact_available") and kernels.bf16_compact_available()
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
@@ -121,11 +138,45 @@ def packable(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] % 2 == 0 and weight.dtype == torch.bfloat16
 
 
+# How much slower over the row buckets (geometric mean) the compact layout may be and still be chosen: it
+# holds the weights in 0.75 of the memory, and a lone request reads 0.75 of the bytes (a 1B shape's layers on
+# a 2-core Zen 4: 1.5x the plain kernels' speed at 1-3 rows, 0.85-1.0x at 24-1024 rows in cache, 1.01x overall).
+COMPACT_TOLERANCE = 0.05
+# A compact weight keeps a block of 64 whole where a high byte is not among its 16 codes (224 bytes then,
+# against 128 plain): past this share of such blocks the layout would save little, and it is not used.
+MAX_WHOLE_SHARE = 0.1
+
+
+def pack_compact(weight: torch.Tensor) -> torch.Tensor | None:
+    """The compact layout of a plain bf16 weight [N, K] (csrc/bf16_compact.cpp: 12 bits a weight, lossless),
+    or None where it does not apply (K not a multiple of 64, not bfloat16, or too few weights it codes)."""
+    if not (weight.dim() == 2 and weight.shape[1] % 64 == 0 and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.numel() > 0 and compact_available()):
+        return None
+    packed = load_cpu_kernels().pack_bf16_compact(weight.contiguous())
+    whole_blocks = packed[32:40].view(torch.int64).item()  # the header's count (bf16_compact.cpp)
+    return None if whole_blocks > MAX_WHOLE_SHARE * weight.numel() / 64 else packed
+
+
+def layout_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """A plain bf16 weight in `layout` (plain: itself); ValueError where that layout cannot hold it."""
+    if layout == "vnni":
+        return pack_vnni(weight)
+    if layout == "compact":
+        packed = pack_compact(weight)
+        if packed is None:
+            raise ValueError(f"a bf16 weight {tuple(weight.shape)} does not fit the compact layout")
+        return packed
+    return weight
+
+
 def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """x @ weight.T in x's dtype by the named kernel (no bias): `weight` in the kernel's layout (packed
     for vnni_stream and brgemm, which also need the output count `n`)."""
     if kernel in PACKED_KERNELS:
         return load_cpu_kernels().linear_vnni(x, weight, n, kernel)
+    if kernel in COMPACT_KERNELS:
+        return load_cpu_kernels().linear_bf16_compact(x, weight, kernel == "compact_gemm").to(x.dtype)
     if kernel == "stream":
         return load_cpu_kernels().gemv_bf16(x, weight).to(x.dtype)
     if kernel == "gemm":
@@ -134,17 +185,23 @@ def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int | None =
 
 
 class _Weight:
-    """A plain weight and, made on first use, its packed copy: each kernel reads its own layout."""
+    """A plain weight and, made on first use, its copy in each other layout: each kernel reads its own."""
 
     def __init__(self, plain: torch.Tensor) -> None:
-        self.plain, self._packed = plain, None
+        self.plain, self._layouts = plain, {"plain": plain}
+
+    def fits(self, layout: str) -> bool:
+        """Whether this weight can be held in `layout` (made now, kept for the timing)."""
+        if layout not in self._layouts:
+            self._layouts[layout] = pack_compact(self.plain) if layout == "compact" else layout_weight(self.plain,
+                                                                                                      layout)
+        return self._layouts[layout] is not None
 
     def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        if kernel not in PACKED_KERNELS:
-            return run_bf16(kernel, x, self.plain)
-        if self._packed is None:
-            self._packed = pack_vnni(self.plain)
-        return run_bf16(kernel, x, self._packed, self.plain.shape[0])
+        layout = kernel_layout(kernel)
+        if not self.fits(layout):
+            raise ValueError(f"a bf16 weight {tuple(self.plain.shape)} does not fit the {layout} layout")
+        return run_bf16(kernel, x, self._layouts[layout], self.plain.shape[0])
 
 
 class _QuantizedWeight:
@@ -201,7 +258,7 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
     """The layout, and in it the kernel with the least total time over `weights` at each bucket (the
     `few_rows_only` kernels are not timed past STREAM_MAX_ROWS). With `decode_weights` (every layer's),
     the buckets up to DECODE_ROWS are timed over a pass through all of them instead."""
-    best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": []}
+    best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": [], "compact": []}
     for rows in buckets:
         xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
         usable = [k for k in kernels if k not in few_rows_only or rows <= STREAM_MAX_ROWS]
@@ -211,25 +268,34 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
             totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
                       for kernel in usable}
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
-        for layout, names in (("plain", [k for k in totals if k not in PACKED_KERNELS]),
-                              ("vnni", [k for k in totals if k in PACKED_KERNELS])):
+        for layout in best:
+            names = [k for k in totals if kernel_layout(k) == layout]
             if names:
                 kernel = min(names, key=totals.get)
                 best[layout].append((rows, kernel, totals[kernel]))
-    layout = "plain"
-    if best["vnni"] and len(best["vnni"]) == len(best["plain"]):
-        log_ratio = sum(math.log(v[2] / p[2]) for v, p in zip(best["vnni"], best["plain"], strict=True))
-        layout = "vnni" if log_ratio < 0 else "plain"
-    elif best["vnni"] and not best["plain"]:
-        layout = "vnni"
+    layout = pick_layout({name: [t for _, _, t in runs] for name, runs in best.items()}, len(buckets))
     return Bf16Choice(tuple((rows, kernel) for rows, kernel, _ in best[layout]), layout)
+
+
+def pick_layout(seconds: dict[str, list[float]], buckets: int) -> str:
+    """The layout whose fastest kernels take the least time over the buckets (the geometric mean), among those
+    timed at every bucket; the compact one where it is within COMPACT_TOLERANCE of that, as it holds the
+    weights in 0.75 of the memory."""
+    timed = [name for name, times in seconds.items() if len(times) == buckets and buckets > 0]
+    if not timed:
+        return "plain"
+    mean_log = {name: sum(math.log(t) for t in seconds[name]) / buckets for name in timed}
+    layout = min(timed, key=mean_log.get)
+    if "compact" in mean_log and mean_log["compact"] <= mean_log[layout] + math.log1p(COMPACT_TOLERANCE):
+        return "compact"
+    return layout
 
 
 def _cache_path(shapes: list[tuple[int, ...]], kind: str) -> Path:
     """Where a timing is cached: per machine, torch, kernel build, weight kind and shapes."""
     kernels = load_cpu_kernels()
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
-                      kernels_id(kernels), shapes, LAYER_BUCKETS, "layouts"])
+                      kernels_id(kernels), shapes, LAYER_BUCKETS, DECODE_ROWS, "layouts-compact"])
     return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -350,6 +416,8 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
         for kernel in candidates():
             if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in weights):
                 continue
+            if kernel in COMPACT_KERNELS and not all(w.fits("compact") for w in weights):
+                continue
             failed = next(filter(None, (_check(kernel, w) for w in weights)), None)
             if failed:
                 logger.warning("bf16 kernel %s; not used", failed)
@@ -362,4 +430,4 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
         every = [mine.get(id(w)) or _Weight(w) for w in model_weights] if model_weights else None
         return list(mine.values()), _Weight(head) if head is not None else None, every
 
-    return _cached_or_timed("bf16", path, wrap, usable, ("stream", "vnni_stream"))
+    return _cached_or_timed("bf16", path, wrap, usable, ("stream", "vnni_stream", "compact_stream"))

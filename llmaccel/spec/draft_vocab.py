@@ -110,7 +110,7 @@ def cut_head(lm_head: torch.nn.Module, token_ids: torch.Tensor) -> Linear:
 
 
 def _device(module: Linear) -> torch.device:
-    for tensor in (module.weight, module.vnni, module.panels):
+    for tensor in (module.weight, module.vnni, module.compact, module.panels):
         if tensor is not None:
             return tensor.device
     return torch.device("cpu")

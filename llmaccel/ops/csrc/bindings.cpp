@@ -40,6 +40,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 int64_t window, double scale);
 bool prefill_attention_available();
 torch::Tensor pack_vnni(torch::Tensor w);
+torch::Tensor pack_bf16_compact(torch::Tensor w);
+torch::Tensor unpack_bf16_compact(torch::Tensor packed, c10::optional<torch::Tensor> ids);
+torch::Tensor linear_bf16_compact(torch::Tensor x, torch::Tensor packed, bool gemm);
+bool bf16_compact_available();
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel);
 bool vnni_available();
 bool quant_amx_available();
@@ -110,6 +114,15 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether the bfloat16 prefill attention was compiled in (it needs AVX512-BF16)", nogil);
   m.def("pack_vnni", &pack_vnni, "bfloat16 [N, K] -> blocks of 32 columns [N / 32, K / 2, 32, 2] (AMX pairs)", nogil);
+  m.def("pack_bf16_compact", &pack_bf16_compact,
+        "bfloat16 [N, K] (K % 64 == 0) -> the compact layout: 12 bits a weight, lossless (uint8 tensor)", nogil);
+  m.def("unpack_bf16_compact", &unpack_bf16_compact, "a compact weight's rows `ids` (or all) as bfloat16 [*, K]",
+        py::arg("packed"), py::arg("ids") = py::none(), nogil);
+  m.def("linear_bf16_compact", &linear_bf16_compact,
+        "x @ w.T for bfloat16 x and a compact weight: float32 sums by the streaming kernel, or with gemm=True "
+        "bfloat16 by the GEMM", py::arg("x"), py::arg("packed"), py::arg("gemm"), nogil);
+  m.def("bf16_compact_available", &bf16_compact_available,
+        "whether the compact bf16 kernels were compiled in (they need AVX512-BF16)", nogil);
   m.def("linear_vnni", &linear_vnni, "x @ w.T for bfloat16 weights packed by pack_vnni: vnni_stream or brgemm",
         nogil);
   m.def("vnni_available", &vnni_available, "whether the packed bfloat16 kernels (AMX brgemm) run here", nogil);

@@ -30,10 +30,11 @@ namespace llmaccel {
 
 // A projection's weights in one of the kernels' layouts.
 struct StackLinear {
-  enum Kind { kF32Panels, kHalfPanels, kBf16, kBf16Vnni, kInt8, kInt4, kKQuant } kind;
+  enum Kind { kF32Panels, kHalfPanels, kBf16, kBf16Vnni, kBf16Compact, kInt8, kInt4, kKQuant } kind;
   torch::Tensor weight, scale, bias;  // scale: INT8 row scales (undefined where the blocks hold theirs)
   int64_t n = 0, k = 0;
   int64_t kq_type = 0;  // kKQuant: the GGML type (12 Q4_K, 13 Q5_K, 14 Q6_K)
+  CompactView compact;  // kBf16Compact: where its sections are
   // a projection whose parts (consecutive output columns, each a multiple of 16 but the last) are in different
   // layouts, e.g. a GGUF file's q and k in Q4_K and its v in Q6_K: each part computes its own columns
   std::vector<std::shared_ptr<StackLinear>> parts;
@@ -49,7 +50,7 @@ struct StackLinear {
   bool reads_floats() const {
     if (!parts.empty())
       return std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p->reads_floats(); });
-    return !quantized();
+    return !quantized() && kind != kBf16Compact;  // (the compact kernels read the bfloat16 bits)
   }
   // INT8/INT4 blocks and K-quant records, which the AMX kernel for quantized weights also reads; a fused
   // projection where every part does and each starts on a block of 32 columns
@@ -99,6 +100,8 @@ struct StackLinear {
       f32_panels(x, m, k, weight.data_ptr<float>(), n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
     else if (kind == kBf16)
       bf16_columns(x, xb, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), y, ldy, m, k, c0, c1);
+    else if (kind == kBf16Compact)
+      compact_columns(xb, compact, y, ldy, m, c0, c1);
     else if (kind == kHalfPanels)
       half_panels(x, m, k, static_cast<const uint16_t*>(weight.data_ptr()), weight.scalar_type() == torch::kBFloat16,
                   n, y, ldy, c0 / kPanel, (c1 + kPanel - 1) / kPanel);
@@ -116,7 +119,7 @@ std::shared_ptr<StackLinear> make_stack_linear(const std::string& kind, torch::T
                                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                           int64_t n) {
   auto out = std::make_shared<StackLinear>();
-  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3 || kind == "bf16_vnni",
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3 || kind == "bf16_vnni" || kind == "bf16_compact",
               "weight must be 2-D or 3-D (panels, INT8/INT4 blocks)");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   out->weight = weight;
@@ -134,6 +137,11 @@ std::shared_ptr<StackLinear> make_stack_linear(const std::string& kind, torch::T
                 "bf16 weights must be bfloat16 [N, K]");
     out->kind = StackLinear::kBf16;
     out->k = weight.size(1);
+  } else if (kind == "bf16_compact") {
+    out->compact = compact_view(weight);
+    TORCH_CHECK(out->compact.n == n, "a compact weight of ", out->compact.n, " rows for ", n, " outputs");
+    out->kind = StackLinear::kBf16Compact;
+    out->k = out->compact.k;
   } else if (kind == "bf16_vnni") {
     check_vnni(weight, n);
     out->kind = StackLinear::kBf16Vnni;
@@ -156,7 +164,8 @@ std::shared_ptr<StackLinear> make_stack_linear(const std::string& kind, torch::T
     out->kind = StackLinear::kKQuant;
     out->k = weight.size(1) * 256;
   } else {
-    TORCH_CHECK(false, "unknown weight kind '", kind, "' (f32, bf16, bf16_vnni, int8, int4, q4_k, q5_k or q6_k)");
+    TORCH_CHECK(false, "unknown weight kind '", kind,
+                "' (f32, bf16, bf16_vnni, bf16_compact, int8, int4, q4_k, q5_k or q6_k)");
   }
   TORCH_CHECK(!out->quantized() || out->k % kBlock == 0, "K must be a multiple of 32");
   if (bias) {
@@ -178,6 +187,7 @@ std::shared_ptr<StackLinear> make_fused_linear(std::vector<std::shared_ptr<Stack
   out->k = parts.front()->k;
   for (const auto& part : parts) {
     TORCH_CHECK(part->parts.empty() && part->kind != StackLinear::kBf16 && part->kind != StackLinear::kBf16Vnni &&
+                    part->kind != StackLinear::kBf16Compact &&
                     !part->bias.defined(),
                 "a fused projection's parts must be unbiased panels, INT8, INT4 or K-quant weights");
     TORCH_CHECK(part->k == out->k, "a fused projection's parts must share their input size");
@@ -231,8 +241,8 @@ int64_t share_unit(const StackLinear& w, Bf16Kernel kernel) {
 }
 
 Bf16Kernel parse_bf16_kernel(const std::string& name) {
-  if (name == "stream") return Bf16Kernel::kStream;
-  if (name == "gemm") {
+  if (name == "stream" || name == "compact_stream") return Bf16Kernel::kStream;  // (the weights' kind picks the
+  if (name == "gemm" || name == "compact_gemm") {                                 // layout's kernel)
     TORCH_CHECK(bf16_gemm_compiled(), "the bfloat16 GEMM was not compiled (it needs AVX512-BF16)");
     return Bf16Kernel::kGemm;
   }
@@ -261,7 +271,8 @@ struct ProjectionInput {
 
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (kernel == Bf16Kernel::kGemm && w.kind == StackLinear::kBf16) return pack_pairs(x, w.k, m, w.k, pairs);
+      if (kernel == Bf16Kernel::kGemm && (w.kind == StackLinear::kBf16 || w.kind == StackLinear::kBf16Compact))
+        return pack_pairs(x, w.k, m, w.k, pairs);
       if (w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx)) {
         // the packed kernels and the dequantizing one read the rows as they are
         bits = reinterpret_cast<const uint16_t*>(x);
@@ -329,13 +340,15 @@ class DecodeStack {
     TORCH_CHECK(gate_up->n % (2 * unit) == 0, "gate_up's halves must be whole blocks of ", unit);
     for (const auto* w : {&qkv, &o, &gate_up, &down}) {
       TORCH_CHECK(!(*w)->bias.defined() || (*w)->bias.scalar_type() == dtype_, "biases must have the stack's dtype");
-      TORCH_CHECK((*w)->kind != StackLinear::kBf16Vnni || dtype_ == torch::kBFloat16,
-                  "packed bfloat16 weights need a bfloat16 stack");
+      TORCH_CHECK(((*w)->kind != StackLinear::kBf16Vnni && (*w)->kind != StackLinear::kBf16Compact) ||
+                      dtype_ == torch::kBFloat16,
+                  "packed and compact bfloat16 weights need a bfloat16 stack");
     }
     check_norm(input_norm);
     for (const auto* w : {&qkv, &o, &gate_up, &down}) {  // what forward checks each step's kernel against
       has_plain_bf16_ |= (*w)->kind == StackLinear::kBf16;
       has_packed_ |= (*w)->kind == StackLinear::kBf16Vnni;
+      has_compact_ |= (*w)->kind == StackLinear::kBf16Compact;
       all_quantized_ &= (*w)->amx_readable();
     }
     check_norm(post_norm);
@@ -359,6 +372,8 @@ class DecodeStack {
     TORCH_CHECK(!(has_packed_ && !reads_packed(kernel)) && !(has_plain_bf16_ && reads_packed(kernel)),
                 "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
                 reads_packed(kernel) ? "plain" : "packed", " weights");
+    TORCH_CHECK(!has_compact_ || kernel == Bf16Kernel::kStream || kernel == Bf16Kernel::kGemm,
+                "bfloat16 kernel '", bf16_kernel, "' does not read this stack's compact weights");
     if (kernel == Bf16Kernel::kDequantAmx) {
       TORCH_CHECK(dtype_ == torch::kBFloat16, "kernel 'dequant_amx' runs bfloat16 stacks only");
       TORCH_CHECK(all_quantized_, "kernel 'dequant_amx' reads INT8, INT4 and K-quant weights only");
@@ -436,6 +451,8 @@ class DecodeStack {
         if constexpr (std::is_same_v<T, at::BFloat16>)
           bf16_gemm_columns(input.pairs.data(), seqs, reinterpret_cast<const uint16_t*>(w.weight.data_ptr<T>()), w.k,
                             y, ldy, c0, c1);
+      } else if (!input.pairs.empty() && w.kind == StackLinear::kBf16Compact) {
+        if constexpr (std::is_same_v<T, at::BFloat16>) compact_gemm_columns(input.pairs.data(), seqs, w.compact, y, ldy, c0, c1);
       } else if (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx) {
         if constexpr (std::is_same_v<T, at::BFloat16>)  // (checked: a bfloat16 stack)
           w.amx_columns(input.bits, seqs, y, ldy, c0, c1);
@@ -689,7 +706,7 @@ class DecodeStack {
   torch::ScalarType dtype_;
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
-  bool has_plain_bf16_ = false, has_packed_ = false, all_quantized_ = true;  // over every layer's projections
+  bool has_plain_bf16_ = false, has_packed_ = false, has_compact_ = false, all_quantized_ = true;  // over every layer's projections
 };
 
 // The handles bindings.cpp exposes (decode_stack.h): each forwards to the class above.

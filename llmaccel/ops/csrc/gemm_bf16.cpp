@@ -29,13 +29,20 @@ namespace {
 
 constexpr int kTileCols = 4;
 
+// Other bytes a tile requests into L2 as it runs, one line every `steps` pairs: the compact layout's next
+// rows (bf16_compact.cpp), which are decoded rather than read by the tile.
+struct Ahead {
+  const char* at = nullptr;
+  int64_t bytes = 0, steps = 1;
+};
+
 // Rows [m0, m0 + 16 * MV) x columns [n0, n0 + NR) of y, rounded to bfloat16; `rows` of them are real.
 // With `prefetch`, the next NR weight rows are requested a line at a time as these are read: the model's
 // weights come from memory once a step, and waiting on them cost a quarter of the GEMM's time
 // (45 against 34 ms for the default model's layers at 64 rows, measured cold against hot).
 template <int MV, int NR>
 inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t k, int64_t n0, int64_t m0,
-                 int64_t rows, bf16* y, int64_t ldy, bool prefetch) {
+                 int64_t rows, bf16* y, int64_t ldy, bool prefetch, const Ahead& ahead) {
   __m512 acc[MV][NR];
   for (int i = 0; i < MV; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -46,6 +53,8 @@ inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t 
   for (int64_t p = 0; p < k / 2; ++p, a += mp) {
     if (prefetch && p % 16 == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(next + (j * k + 2 * p) * 2, _MM_HINT_T0);
+    if (ahead.bytes > 0 && p % ahead.steps == 0 && p / ahead.steps * 64 < ahead.bytes)
+      _mm_prefetch(ahead.at + p / ahead.steps * 64, _MM_HINT_T1);
     __m512bh x[MV];
     for (int i = 0; i < MV; ++i) x[i] = (__m512bh)_mm512_loadu_si512(a + 16 * i);
     for (int j = 0; j < NR; ++j) {
@@ -70,16 +79,19 @@ inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t 
 // reaches at most packed_rows(m)).
 template <int NR>
 inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, int64_t n0, bf16* y,
-                         int64_t ldy, bool prefetch) {
+                         int64_t ldy, bool prefetch, const Ahead& ahead) {
   const int64_t mp = packed_rows(m);
+  const Ahead none;
   int64_t m0 = 0;
   for (; m0 + 48 < m; m0 += 64)
-    tile<4, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(64, m - m0), y, ldy, prefetch && m0 == 0);
+    tile<4, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(64, m - m0), y, ldy, prefetch && m0 == 0,
+                m0 == 0 ? ahead : none);
   if (m0 + 16 < m) {
-    tile<2, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0);
+    tile<2, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0,
+                m0 == 0 ? ahead : none);
     m0 += 32;
   }
-  if (m0 < m) tile<1, NR>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0);
+  if (m0 < m) tile<1, NR>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0, m0 == 0 ? ahead : none);
 }
 
 }  // namespace
@@ -87,11 +99,23 @@ inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, i
 bool bf16_gemm_compiled() { return true; }
 
 LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, bf16* y,
-                                         int64_t ldy, int64_t n0, int64_t n1) {
+                                         int64_t ldy, int64_t n0, int64_t n1, const uint8_t* ahead,
+                                         int64_t ahead_bytes) {
+  // the bytes ahead shared out between the column blocks, each's spread over its pairs
+  const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / kTileCols);
+  const int64_t share = (ahead_bytes / blocks + 63) / 64 * 64;
+  auto ahead_of = [&](int64_t n) {
+    Ahead a;
+    if (ahead == nullptr || share == 0) return a;
+    a.at = reinterpret_cast<const char*>(ahead) + (n - n0) / kTileCols * share;
+    a.bytes = std::min(share, ahead_bytes - (n - n0) / kTileCols * share);
+    a.steps = std::max<int64_t>(1, k / 2 / (share / 64));
+    return a;
+  };
   int64_t n = n0;
   for (; n + kTileCols <= n1; n += kTileCols)
-    column_block<kTileCols>(packed, m, w, k, n, y, ldy, n + 2 * kTileCols <= n1);
-  for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false);
+    column_block<kTileCols>(packed, m, w, k, n, y, ldy, ahead == nullptr && n + 2 * kTileCols <= n1, ahead_of(n));
+  for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false, Ahead());
 }
 // Sixteen rows' pairs at a time, gathered into one register and stored in order: written one by one
 // (strided by 64-256 bytes) the packing cost 3% of a 64-sequence decode step, each thread packing
@@ -115,7 +139,8 @@ void pack_pairs(const bf16* x, int64_t ldx, int64_t m, int64_t k, std::vector<ui
 #else
 bool bf16_gemm_compiled() { return false; }
 
-void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t) {
+void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t,
+                       const uint8_t*, int64_t) {
   TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
 }
 

@@ -120,8 +120,9 @@ inline float half_bits_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 void pack_pairs(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k, std::vector<uint32_t>& out);
+// `ahead`: bytes to request into L2 meanwhile (the next rows of a compact weight), spread over the work.
 void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, c10::BFloat16* y,
-                       int64_t ldy, int64_t n0, int64_t n1);
+                       int64_t ldy, int64_t n0, int64_t n1, const uint8_t* ahead = nullptr, int64_t ahead_bytes = 0);
 bool bf16_gemm_compiled();
 
 // bfloat16 weights packed for AMX (linear_vnni.cpp): blocks of 32 output columns, each [K / 2, 32, 2].
@@ -140,6 +141,47 @@ bool vnni_compiled();
 // 0.77x the time of one pass over all rows, measured on a 2-core Xeon).
 constexpr int64_t kBrgemmChunkRows = 256;
 void check_vnni(const at::Tensor& packed, int64_t n);
+
+// bfloat16 weights in the compact layout (bf16_compact.cpp: 12 bits a weight, lossless): blocks of 64 weights,
+// 32 bytes of 4-bit codes for the high bytes then the 64 low bytes, or (flagged in a bitmap) kept whole.
+constexpr int64_t kCompactBlock = 64;
+constexpr int64_t kCompactBytes = 96;
+struct CompactView {
+  const uint8_t* blocks = nullptr;       // [N, K / 64] blocks of 96 bytes
+  const uint64_t* bitmap = nullptr;      // [N, words]: bit b of a row set where block b is kept whole
+  const int64_t* first_whole = nullptr;  // [N + 1]: the index of each row's first whole block
+  const uint16_t* whole = nullptr;       // the whole blocks, 64 bfloat16 each, in row order
+  int64_t n = 0, k = 0, words = 0;
+  uint8_t high[16] = {};  // the high byte each code stands for
+};
+CompactView compact_view(const at::Tensor& packed);  // checks the tensor is one
+inline bool compact_is_whole(const CompactView& w, int64_t r, int64_t b) {
+  return (w.bitmap[r * w.words + b / 64] >> (b % 64)) & 1;
+}
+#if defined(__AVX512BW__)
+inline __m512i compact_table(const CompactView& w) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.high)));
+}
+// A block's 64 weights as the plain layout's two loads: codes zero-extended to 16 bits, each nibble moved
+// into its own byte, looked up (vpshufb reads an index's low 4 bits), interleaved with the low bytes.
+inline void compact_decode(const uint8_t* block, __m512i table, __m512i& w0, __m512i& w1) {
+  const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  const __m512i codes = _mm512_ternarylogic_epi64(nibbles, _mm512_slli_epi16(nibbles, 4),
+                                                  _mm512_set1_epi16(0x0f0f), 0xA8);  // (a | b) & c
+  const __m512i high = _mm512_shuffle_epi8(table, codes);
+  const __m512i low = _mm512_loadu_si512(block + 32);
+  w0 = _mm512_unpacklo_epi8(low, high);
+  w1 = _mm512_unpackhi_epi8(low, high);
+}
+#endif
+// Rows [r0, r1) in the plain layout into out [r1 - r0, K]; the streaming kernel's float32 sums for columns
+// [n0, n1) of m rows of bfloat16 bits xb (bf16_columns' to the bit); the GEMM's (bf16_gemm_columns' to the bit).
+void compact_unpack_rows(const CompactView& w, int64_t r0, int64_t r1, uint16_t* out);
+void compact_columns(const uint16_t* xb, const CompactView& w, float* y, int64_t ldy, int64_t m, int64_t n0,
+                     int64_t n1);
+void compact_gemm_columns(const uint32_t* packed, int64_t m, const CompactView& w, c10::BFloat16* y, int64_t ldy,
+                          int64_t n0, int64_t n1);
+bool compact_compiled();
 
 // INT8, INT4 or K-quant weights in the streaming kernels' blocks (gemv.cpp, gemv_int4.cpp, kquant.cpp), as
 // quant_amx.cpp reads them: columns [c0, c1) of y = x W^T for m rows of bfloat16 bits xb, rounded to bfloat16,

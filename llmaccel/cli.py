@@ -122,6 +122,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "key's beside a heavy key's 10x flood: --scheduling-policy priority against fcfs", "add_arguments", "run"),
     ("lora", "lora", "many LoRA adapters in one batch: output tok/s of 64 requests spread over 8 adapters (and on "
      "one) against the base model alone, alternating rounds in one engine", "add_arguments", "run"),
+    ("bf16-layouts", "bf16_layouts", "the plain and the compact (12 bits a weight, lossless) bf16 layouts' kernels "
+     "on a published shape's projections, from memory, in alternating rounds: ms, GB/s, speedup",
+     "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

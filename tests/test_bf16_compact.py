@@ -125,3 +125,19 @@ def test_a_model_in_the_compact_layout_generates_the_plain_layouts_tokens(tiny_m
         outputs[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs["compact_stream"] == outputs["stream"]
     assert outputs["compact_gemm"] == outputs["gemm"]
+
+
+def test_the_layout_benchmark_times_a_layers_fused_projections():
+    from llmaccel.bench.bf16_layouts import measure, projections
+    from llmaccel.model.shapes import ModelShape, shape_named
+
+    assert projections(shape_named("llama-1b")) == {"qkv": (3072, 2048), "o": (2048, 2048),
+                                                    "gate_up": (16384, 2048), "down": (2048, 8192)}
+    if "compact_stream" not in candidates():
+        pytest.skip("the compact kernels need AVX512-BF16")
+    tiny = ModelShape("tiny", "LlamaForCausalLM", 512, 1024, 1, 8, 2, 64, True, 1e4, "test")
+    results = measure(tiny, rows=[1, 3], rounds=1, budget=1e5)
+    assert [(r["projection"], r["rows"], r["plain_kernel"]) for r in results] == [
+        (name, rows, kernel) for name in ("qkv", "o", "gate_up", "down") for rows in (1, 3)
+        for kernel in ("stream", "gemm")]
+    assert all(0.75 < r["compact_bytes_share"] < 0.8 and r["speedup"] > 0 for r in results)

@@ -9,7 +9,15 @@ import torch
 
 from llmaccel import LLM, SamplingParams
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
-from llmaccel.ops.kernel_choice import COMPACT_TOLERANCE, FORCE_ENV, candidates, pack_compact, pick_layout
+from llmaccel.ops.kernel_choice import (
+    COMPACT_TOLERANCE,
+    FORCE_ENV,
+    LAYOUT_ENV,
+    candidates,
+    pack_compact,
+    pick_layout,
+    tune_bf16,
+)
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "pack_bf16_compact"),
@@ -141,3 +149,18 @@ def test_the_layout_benchmark_times_a_layers_fused_projections():
         (name, rows, kernel) for name in ("qkv", "o", "gate_up", "down") for rows in (1, 3)
         for kernel in ("stream", "gemm")]
     assert all(0.75 < r["compact_bytes_share"] < 0.8 and r["speedup"] > 0 for r in results)
+
+
+@needs_kernels
+def test_a_layout_can_be_asked_for_and_is_still_timed_per_row_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    weights = [_weights(64, 128, seed=1), _weights(128, 64, seed=2)]
+    for layout in ("compact", "plain"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        layers, head = tune_bf16(weights, _weights(96, 64, seed=3))
+        assert layers.layout == head.layout == layout
+    monkeypatch.setenv(LAYOUT_ENV, "tiles")
+    with pytest.raises(ValueError, match=r"\$LLMACCEL_BF16_LAYOUT='tiles' is not a bf16 layout this machine has "
+                                         r"kernels for: compact, plain(, vnni)?"):
+        tune_bf16(weights, None)

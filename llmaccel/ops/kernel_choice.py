@@ -45,6 +45,9 @@ from llmaccel.platform import cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
 FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # one kernel at every row count, in its layout (tests, A/B runs)
+# One layout's kernels only, still timed per row count: plain, vnni or compact (compact: 0.75 of the memory and
+# the fastest lone request wherever the timing would pick plain for batches, e.g. the 3B and 8B shapes)
+LAYOUT_ENV = "LLMACCEL_BF16_LAYOUT"
 QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: stream or dequant_amx
 LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
 HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
@@ -407,13 +410,19 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
     forced = forced_choice()
     if forced is not None:
         return forced if layer_weights else None, forced if head is not None else None
+    wanted = os.environ.get(LAYOUT_ENV) or None
+    offered = [k for k in candidates() if wanted is None or kernel_layout(k) == wanted]
+    if not offered:
+        layouts = sorted({kernel_layout(k) for k in candidates()})
+        raise ValueError(f"${LAYOUT_ENV}={wanted!r} is not a bf16 layout this machine has kernels for: "
+                         f"{', '.join(layouts)}")
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
     kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"
-    path = _cache_path(shapes, kind)
+    path = _cache_path(shapes, kind if wanted is None else f"{kind}-{wanted}")
 
     def usable(weights: list[_Weight]) -> tuple[str, ...]:
         kernels = []
-        for kernel in candidates():
+        for kernel in offered:
             if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in weights):
                 continue
             if kernel in COMPACT_KERNELS and not all(w.fits("compact") for w in weights):

@@ -152,16 +152,8 @@ bool compact_compiled() { return true; }
 LLMACCEL_ONE_COPY void compact_columns(const uint16_t* xb, const CompactView& w, float* y, int64_t ldy, int64_t m,
                                        int64_t n0, int64_t n1) {
   const __m512i table = compact_table(w);
-  for (int64_t r = n0; r < n1; ++r) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) compact_dot_group<4>(xb, w, table, y, ldy, i, r);
-    switch (m - i) {
-      case 3: compact_dot_group<3>(xb, w, table, y, ldy, i, r); break;
-      case 2: compact_dot_group<2>(xb, w, table, y, ldy, i, r); break;
-      case 1: compact_dot_group<1>(xb, w, table, y, ldy, i, r); break;
-      default: break;
-    }
-  }
+  for (int64_t r = n0; r < n1; ++r)
+    in_groups_of_four(m, [&](auto g, int64_t i) { compact_dot_group<decltype(g)::value>(xb, w, table, y, ldy, i, r); });
 }
 
 // The GEMM (gemm_bf16.cpp) on 16 weight rows at a time, each group decoded into a buffer that stays in

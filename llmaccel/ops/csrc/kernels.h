@@ -48,6 +48,20 @@ inline __m512 widen16(const c10::BFloat16* p) {
 }
 #endif
 
+// m activation rows in groups of four, then one group of the rest: group(std::integral_constant<int, G>, i0) for
+// rows i0 .. i0 + G - 1 (the streaming bf16 kernels' dot groups: G accumulator pairs a weight row).
+template <typename Group>
+inline void in_groups_of_four(int64_t m, Group&& group) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) group(std::integral_constant<int, 4>{}, i);
+  switch (m - i) {
+    case 3: group(std::integral_constant<int, 3>{}, i); break;
+    case 2: group(std::integral_constant<int, 2>{}, i); break;
+    case 1: group(std::integral_constant<int, 1>{}, i); break;
+    default: break;
+  }
+}
+
 constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
 constexpr int64_t kGroupRows = 16;       // weight rows a group of the INT8 and INT4 kernels' blocks

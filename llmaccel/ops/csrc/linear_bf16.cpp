@@ -109,14 +109,7 @@ void bf16_row(const float* x, const uint16_t* xb, const uint16_t* w, float* y, i
   const uint16_t* wr = w + r * k;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if (xb != nullptr) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) bf16_dot_group<4>(xb, wr, y, ldy, k, i, r);
-    switch (m - i) {
-      case 3: bf16_dot_group<3>(xb, wr, y, ldy, k, i, r); break;
-      case 2: bf16_dot_group<2>(xb, wr, y, ldy, k, i, r); break;
-      case 1: bf16_dot_group<1>(xb, wr, y, ldy, k, i, r); break;
-      default: break;
-    }
+    in_groups_of_four(m, [&](auto g, int64_t i) { bf16_dot_group<decltype(g)::value>(xb, wr, y, ldy, k, i, r); });
     return;
   }
 #endif

@@ -108,3 +108,14 @@ def test_report_names_what_is_wrong(tmp_path, capsys):
     assert main(["bench", "report", str(tmp_path / "offline.json")]) == 2
     err = capsys.readouterr().err
     assert f"{doc}: needs one line" in err and "offline.json: not a `bench compare` result file" in err
+
+
+def test_a_ratio_where_llmaccel_trails_is_not_bold(tmp_path, capsys):
+    behind = write(tmp_path / "behind.json", ZEN3, [
+        system("llmaccel-Q4_K_M", [16.0, 16.0, 17.0], 65.0, 3.2, 11.0, ["llama.cpp-Q4_K_M"]),
+        system("llama.cpp-Q4_K_M", [17.5, 17.5, 18.0], 26.0, 4.9, 5.0, ["llmaccel-Q4_K_M"]),
+    ])
+    assert main(["bench", "report", behind]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == (
+        "| AMD EPYC, AVX2, 2 cores | llama-3b | 0.91x: 16 (Q4_K_M) | 17.5 (llama.cpp-Q4_K_M) | **2.50x**: 65 (Q4_K_M) "
+        "| 26 (llama.cpp-Q4_K_M) |")

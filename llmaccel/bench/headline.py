@@ -114,8 +114,9 @@ def _versus(ours: tuple[float, str] | None, theirs: tuple[float, str] | None) ->
     variant = ours[1].removeprefix("llmaccel").removeprefix("-") or "default"
     if theirs is None:
         return f"{_number(ours[0])} ({variant})", "no peer"
-    return (f"**{ours[0] / theirs[0]:.2f}x**: {_number(ours[0])} ({variant})",
-            f"{_number(theirs[0])} ({theirs[1]})")
+    ratio = f"{ours[0] / theirs[0]:.2f}x"
+    ratio = f"**{ratio}**" if ours[0] >= theirs[0] else ratio  # bold where llmaccel leads, plain where it trails
+    return f"{ratio}: {_number(ours[0])} ({variant})", f"{_number(theirs[0])} ({theirs[1]})"
 
 
 def summary_row(kind: str, record: dict) -> str:

@@ -13,14 +13,13 @@ from torch import nn
 from llmaccel.model.rope import rope_tables
 from llmaccel.ops.cpu_linear import (
     bf16_linear,
-    compact_linear,
     compact_rows,
+    layout_linear,
     pack_panels,
     pack_weight,
     packed_linear,
     panel_linear,
     panel_rows,
-    vnni_linear,
     vnni_rows,
 )
 from llmaccel.ops.kernel_choice import DEFAULT_CHOICE, Bf16Choice, layout_weight
@@ -169,9 +168,9 @@ class Linear(nn.Module):
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if self.vnni is not None:
-            return vnni_linear(x, self.vnni, self.out_features, self.bias, self.bf16_choice)
+            return layout_linear(x, self.vnni, self.out_features, self.bias, self.bf16_choice)
         if self.compact is not None:
-            return compact_linear(x, self.compact, self.out_features, self.bias, self.bf16_choice)
+            return layout_linear(x, self.compact, self.out_features, self.bias, self.bf16_choice)
         if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
             return bf16_linear(x, self.weight, self.bias, self.bf16_choice)
         return F.linear(x, self.weight, self.bias)

@@ -64,22 +64,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
-def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-                choice: Bf16Choice) -> torch.Tensor:
-    """x @ W.T (+ bias) for a bf16 weight packed for AMX (ops/csrc/linear_vnni.cpp), in x's dtype, by the
-    packed kernel `choice` names for x's rows. Any leading dims; the rows run in bfloat16."""
+def layout_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None,
+                  choice: Bf16Choice) -> torch.Tensor:
+    """x @ W.T (+ bias) for a bf16 weight held in another layout than the plain one, packed for AMX
+    (ops/csrc/linear_vnni.cpp) or compact (ops/csrc/bf16_compact.cpp), in x's dtype, by the kernel `choice`
+    names for x's rows. Any leading dims; the rows run in bfloat16."""
     rows = x.reshape(-1, x.shape[-1])
-    out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), packed, n)
-    out = out.to(x.dtype).reshape(*x.shape[:-1], n)
-    return out if bias is None else out + bias
-
-
-def compact_linear(x: torch.Tensor, compact: torch.Tensor, n: int, bias: torch.Tensor | None,
-                   choice: Bf16Choice) -> torch.Tensor:
-    """x @ W.T (+ bias) for a bf16 weight in the compact layout (ops/csrc/bf16_compact.cpp), in x's dtype, by
-    the compact kernel `choice` names for x's rows. Any leading dims; the rows run in bfloat16."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), compact, n)
+    out = run_bf16(choice.kernel(rows.shape[0]), rows.to(torch.bfloat16), weight, n)
     out = out.to(x.dtype).reshape(*x.shape[:-1], n)
     return out if bias is None else out + bias
 

@@ -330,19 +330,8 @@ torch::Tensor linear_bf16_compact(torch::Tensor x, torch::Tensor packed, bool ge
     return y;
   }
   if (m >= kDecodeWholeRows) return gemm_bf16(xc, unpack_bf16_compact(packed, c10::nullopt));
-  auto y = torch::empty({m, w.n}, xc.options());
-  if (m == 0) return y;
-  auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (2 * w.k)) / 32 * 32);  // as gemm_bf16
-  std::vector<uint32_t> pairs;
-  for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-    const int64_t rows = std::min(chunk, m - r0);
-    llmaccel::pack_pairs(xc.data_ptr<at::BFloat16>() + r0 * w.k, w.k, rows, w.k, pairs);
-    const int64_t panels = (w.n + llmaccel::kPanel - 1) / llmaccel::kPanel;
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      llmaccel::compact_gemm_columns(pairs.data(), rows, w, yp + r0 * w.n, w.n, p0 * llmaccel::kPanel,
-                                     std::min(w.n, p1 * llmaccel::kPanel));
-    });
-  }
-  return y;
+  return llmaccel::gemm_in_row_chunks(xc, w.n, [&](const uint32_t* pairs, int64_t rows, at::BFloat16* y, int64_t c0,
+                                                   int64_t c1) {
+    llmaccel::compact_gemm_columns(pairs, rows, w, y, w.n, c0, c1);
+  });
 }

@@ -151,6 +151,30 @@ void pack_pairs(const bf16*, int64_t, int64_t, int64_t, std::vector<uint32_t>&) 
 
 }  // namespace llmaccel
 
+namespace llmaccel {
+
+torch::Tensor gemm_in_row_chunks(const torch::Tensor& x, int64_t n, const GemmColumns& columns) {
+  auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  auto y = torch::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  // Chunks of rows whose packed pairs stay in L2 while every weight passes them.
+  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
+  std::vector<uint32_t> packed;
+  for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+    const int64_t rows = std::min(chunk, m - r0);
+    pack_pairs(xc.data_ptr<at::BFloat16>() + r0 * k, k, rows, k, packed);
+    const int64_t blocks = (n + kPanel - 1) / kPanel;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      columns(packed.data(), rows, yp + r0 * n, b0 * kPanel, std::min(n, b1 * kPanel));
+    });
+  }
+  return y;
+}
+
+}  // namespace llmaccel
+
 bool gemm_bf16_available() { return llmaccel::bf16_gemm_compiled(); }
 
 // x bfloat16 [M, K] (K even), w bfloat16 [N, K] -> bfloat16 [M, N], no bias.
@@ -162,23 +186,9 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(k % 2 == 0, "K must be even, got ", k);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kBFloat16,
               "x must be bfloat16 [rows, ", k, "]");
-  auto xc = x.contiguous();
-  const int64_t m = xc.size(0);
-  auto y = torch::empty({m, n}, xc.options());
-  if (m == 0) return y;
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  // Chunks of rows whose packed pairs stay in L2 while every weight passes them.
-  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
-  std::vector<uint32_t> packed;
-  for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-    const int64_t rows = std::min(chunk, m - r0);
-    llmaccel::pack_pairs(xc.data_ptr<at::BFloat16>() + r0 * k, k, rows, k, packed);
-    const int64_t blocks = (n + llmaccel::kPanel - 1) / llmaccel::kPanel;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      llmaccel::bf16_gemm_columns(packed.data(), rows, wp, k, yp + r0 * n, n, b0 * llmaccel::kPanel,
-                                  std::min(n, b1 * llmaccel::kPanel));
-    });
-  }
-  return y;
+  return llmaccel::gemm_in_row_chunks(x, n, [&](const uint32_t* pairs, int64_t rows, at::BFloat16* y, int64_t c0,
+                                                int64_t c1) {
+    llmaccel::bf16_gemm_columns(pairs, rows, wp, k, y, n, c0, c1);
+  });
 }

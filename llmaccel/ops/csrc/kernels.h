@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -138,6 +139,11 @@ void pack_pairs(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k, std::
 void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, c10::BFloat16* y,
                        int64_t ldy, int64_t n0, int64_t n1, const uint8_t* ahead = nullptr, int64_t ahead_bytes = 0);
 bool bf16_gemm_compiled();
+// y [M, N] bfloat16 for bfloat16 rows x [M, K] by a GEMM on packed pairs (gemm_bf16.cpp): the rows in chunks
+// packed by pack_pairs, each chunk's columns shared out between threads in panels of 16; `columns(pairs,
+// rows, y of the chunk, c0, c1)` computes columns [c0, c1) of a chunk (rows `N` apart).
+using GemmColumns = std::function<void(const uint32_t*, int64_t, c10::BFloat16*, int64_t, int64_t)>;
+at::Tensor gemm_in_row_chunks(const at::Tensor& x, int64_t n, const GemmColumns& columns);
 
 // bfloat16 weights packed for AMX (linear_vnni.cpp): blocks of 32 output columns, each [K / 2, 32, 2].
 // Columns [c0, c1) of y (float32 sums rounded to bfloat16, rows `ldy` apart) for m rows of bfloat16

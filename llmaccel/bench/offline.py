@@ -62,9 +62,11 @@ def _workload(args: argparse.Namespace, tokenizer) -> tuple[list[list[int]], lis
 def _run_worker(args: argparse.Namespace) -> dict:
     import torch
 
-    from llmaccel.model.loader import hf_dir_for, load_tokenizer
+    from llmaccel.model.loader import hf_dir_for, load_tokenizer, model_files_dir
 
-    hf_dir = hf_dir_for(args.model)
+    # only the HF baselines need the weights as a float directory (a GGUF file converted: a 1.8 GB Q4_K_M
+    # file is a 12 GB float32 copy); llmaccel reads such a file in place and needs the tokenizer alone
+    hf_dir = model_files_dir(args.model) if args.worker == "llmaccel" else hf_dir_for(args.model)
     tokenizer = load_tokenizer(hf_dir)
     prompt_ids, targets = _workload(args, tokenizer)
     if args.worker == "llmaccel":

@@ -345,8 +345,12 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
 #endif
 
 // One pass of `rows` activation rows against a group. With AVX512-VNNI, 16-lane passes of up to 8 rows, but a lone
-// row (a decode step) the 8-lane kernel's: it streams memory faster on one row (39 against 34 GB/s, 2-core Zen 4)
-// and gives the same bits (both are exact integer sums, then the same float steps in the same order).
+// row (a decode step) the 8-lane kernel's: it streams memory faster on one row and gives the same bits (both are
+// exact integer sums, then the same float steps in the same order). Measured on a 2-core Zen 4 (Q4_K, 28 x 29 MB
+// on huge pages, the two kernels alternating): from memory the 8-lane kernel reads 46-51 GB/s where the machine's
+// sum reads ~62, the 16-lane one 38-42 (0.79-0.88x); where the sum reads ~33 they tie (0.97x); only with the
+// weights in cache is the 16-lane one faster (1.31x). A 256-bit VNNI form of the 8-lane kernel, and the 16-lane one
+// reading two or three groups side by side, measured alike (0.81-0.91x from memory), so neither is used.
 template <int64_t Kind>
 void one_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int64_t k, int64_t i0, int rows, float* y,
               int64_t ldy, int64_t cols) {

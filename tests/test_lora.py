@@ -18,6 +18,7 @@ from llmaccel.lora.adapter import AdapterError, LoRAPiece
 from llmaccel.lora.layers import LoRABatch, LoRALinear
 from llmaccel.model.layers import build_linear
 from llmaccel.model.loader import hf_dir_for
+from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.sampling_params import SamplingParams
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,6 +91,39 @@ def test_every_adapter_and_the_base_in_one_batch_match_hf_peft(llm, expected):
         assert got[(p, None)] == base[p]
         for name in ADAPTERS:
             assert got[(p, name)] == unmerged[name][p], (p, name)
+
+
+def test_decode_steps_with_adapter_rows_run_in_the_decode_stack_as_the_layers_run_them(llm, expected, monkeypatch):
+    """The C++ decode stack holds every projection's adapters (csrc/lora.h) and takes the steps whose rows carry
+    them; the same batch decoded layer by layer (the stack told it holds none) gives the same tokens."""
+    prompts, unmerged, _ = expected
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None and stack.lora
+    calls = []
+    monkeypatch.setattr(stack, "stack", _Recording(stack.stack, calls))
+    names = [None, *ADAPTERS]
+    params = [SamplingParams(**GREEDY, lora=name) for _ in prompts for name in names]
+    in_stack = [o.outputs[0].token_ids for o in llm.generate([ids for ids in prompts for _ in names], params)]
+    assert any(slots is not None and (slots >= 0).any() for slots in calls)  # adapter rows went through the stack
+    monkeypatch.setattr(stack, "lora", False)
+    calls.clear()
+    layered = [o.outputs[0].token_ids for o in llm.generate([ids for ids in prompts for _ in names], params)]
+    assert layered == in_stack
+    assert all(slots is None for slots in calls)
+
+
+class _Recording:
+    """The C++ stack, each forward's lora_slots noted."""
+
+    def __init__(self, stack, calls: list) -> None:
+        self._stack, self._calls = stack, calls
+
+    def forward(self, *args):
+        self._calls.append(args[-1])
+        return self._stack.forward(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._stack, name)
 
 
 def test_chunked_prefill_and_a_decode_only_batch_match_too(llama_dir, adapters, expected):
@@ -215,6 +249,39 @@ def test_the_deltas_ride_on_any_base_format(quantization):
             assert torch.allclose(got[row], plain[row] + delta, atol=1e-4)
     batch.set_rows([-1] * 5)
     assert not batch.active and torch.equal(module(x), plain)
+
+
+@pytest.mark.skipif(gemv_kernels() is None, reason="no CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_adds_what_the_batched_matmuls_add(dtype):
+    """csrc/lora.cpp against the torch ops on a fused q/k/v projection (three parts, each adapter row touching its
+    own part's columns only): rows without an adapter untouched to the bit, the others the same sums (float32)
+    or within a bfloat16 rounding of them."""
+    torch.manual_seed(1)
+    base = build_linear(torch.randn(48, 32).to(dtype), None, None, 32, "probe")
+    batch = LoRABatch(torch.device("cpu"), dtype)
+    kernel = LoRALinear(base, batch, "qkv", max_loras=3, max_rank=4, in_features=32, out_features=48)
+    for slot, rank in ((0, 2), (2, 4)):
+        for part, (start, rows) in enumerate(((0, 24), (24, 12), (36, 12))):
+            kernel.load(slot, LoRAPiece(0, "qkv", part, start, torch.randn(rank, 32).to(dtype),
+                                        (torch.randn(rows, rank) * 0.1).to(dtype)))
+    assert kernel.part_columns.tolist() == [[0, 24], [24, 36], [36, 48]]
+    reference = LoRALinear(base, batch, "qkv", max_loras=3, max_rank=4, in_features=32, out_features=48)
+    reference.a.copy_(kernel.a), reference.b_t.copy_(kernel.b_t)
+    reference._kernels = None
+    x = torch.randn(6, 32).to(dtype)
+    slots = [2, -1, 0, 2, -1, 0]
+    batch.set_rows(slots)
+    got, want, plain = kernel(x), reference(x), base(x)
+    assert kernel._kernels is not None
+    for row, slot in enumerate(slots):
+        if slot < 0:
+            assert torch.equal(got[row], plain[row])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-3).all()
+        assert (got != plain).any()
 
 
 def test_an_int8_base_serves_adapters_beside_its_own_rows(llama_dir, adapters, expected):

@@ -4,7 +4,9 @@ One engine with --max-loras adapters loaded, in alternating rounds: the batch wi
 those steps run exactly the path of an engine without LoRA), then the same prompts spread over N adapters
 round-robin (every step mixes them), then all on one adapter. Random adapters at --rank on every projection PEFT
 targets in Llama (q, k, v, o, gate, up, down), written as PEFT directories: speed does not depend on their values.
-Reported: output tok/s per arm (medians) and each adapter arm over the base.
+Reported: output tok/s per arm (medians) and each adapter arm over the base: the ratio of the medians, and the
+median of each round's ratio (an arm against the base run just before it, so a drift of the VM between rounds
+does not enter it).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
             "quantization": args.quantization, "rank": args.rank, "num_prompts": args.num_prompts,
             "output_len": args.output_len, "tokens_per_second": rates, "medians": medians,
             "over_base": {arm: medians[arm] / medians["base"] for arm in arms if arm != "base"},
+            "over_base_by_round": {arm: statistics.median(r / b for r, b in zip(rates[arm], rates["base"], strict=True))
+                                   for arm in arms if arm != "base"},
             "lora_bytes": llm.engine.weight_bytes}
 
 
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     base = result["medians"]["base"]
     print(f"base model alone: {base:.1f} tok/s (median of {args.rounds})")
     for arm, ratio in result["over_base"].items():
-        print(f"{arm.replace('_', ' ')}: {result['medians'][arm]:.1f} tok/s, {ratio:.2f}x the base")
+        print(f"{arm.replace('_', ' ')}: {result['medians'][arm]:.1f} tok/s, {ratio:.2f}x the base "
+              f"({result['over_base_by_round'][arm]:.2f}x by round)")
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(result, indent=2))

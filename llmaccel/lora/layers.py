@@ -12,7 +12,9 @@ so requests for different adapters (and the base model) share the step's base ma
 ones, instead of a pass per adapter, and a row pays for its own adapter's rank only (measured against masking
 every row over all adapters' columns: 0.80x against 0.77x the base at the 1B shape, docs/benchmarks.md). A step
 with no adapter rows runs the base projection alone (bit-identical to a model served without LoRA); a row
-without an adapter is its base row.
+without an adapter is its base row. On the CPU the same sums are one call of the kernels (csrc/lora.cpp), which
+also skips the zeros of a fused projection's block-diagonal B^T: the torch ops cost ~300 us of dispatch a
+projection.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from llmaccel.lora.adapter import PARTS, LoRAPiece
 from llmaccel.model.layers import weight_bytes
+from llmaccel.ops.gemv import gemv_kernels
 
 
 class LoRABatch:
@@ -31,6 +34,7 @@ class LoRABatch:
         self.device, self.dtype = device, dtype
         self.active = False  # whether a row of the pass has an adapter
         self.lo = self.hi = 0  # the slots of the step's adapters lie in lo..hi-1
+        self.slots = None  # each row's slot, int64 (the CPU kernel's input)
         self.gather = self.kept = self.targets = None  # the segments (set_rows)
 
     def set_rows(self, slots: list[int]) -> None:
@@ -39,6 +43,7 @@ class LoRABatch:
         self.active = bool(used)
         if not used:
             return
+        self.slots = torch.tensor(slots, dtype=torch.long)
         self.lo, self.hi = min(used), max(used) + 1
         members = [[i for i, s in enumerate(slots) if s == slot] for slot in range(self.lo, self.hi)]
         width = max(len(m) for m in members)
@@ -63,6 +68,10 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("b_t", torch.zeros(cols, out_features, device=batch.device, dtype=batch.dtype),
                              persistent=False)
+        # the columns each part's rows of B^T touch (q, k, v or gate, up where fused), set as adapters load
+        self.part_columns = torch.tensor([[0, out_features]] * PARTS[module], dtype=torch.long)
+        kernels = gemv_kernels() if batch.device.type == "cpu" else None
+        self._kernels = kernels if kernels is not None and hasattr(kernels, "lora_add_") else None
 
     @property
     def weight_bytes(self) -> int:
@@ -73,6 +82,7 @@ class LoRALinear(nn.Module):
         first = slot * self.share + piece.part * self.max_rank
         self.a[first:first + rank] = piece.a.to(self.a.device)
         self.b_t[first:first + rank, piece.row_start:piece.row_start + rows] = piece.b.t().to(self.a.device)
+        self.part_columns[piece.part] = torch.tensor([piece.row_start, piece.row_start + rows])
 
     def clear(self, slot: int) -> None:
         self.a[slot * self.share:(slot + 1) * self.share] = 0
@@ -82,6 +92,9 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         batch = self.batch
         if not batch.active:
+            return y
+        if self._kernels is not None and x.dim() == 2 and x.dtype == y.dtype == self.a.dtype and y.is_contiguous():
+            self._kernels.lora_add_(y, x.contiguous(), self.a, self.b_t, batch.slots, self.share, self.part_columns)
             return y
         slots = self.a.shape[0] // self.share
         a = self.a.view(slots, self.share, -1)[batch.lo:batch.hi]

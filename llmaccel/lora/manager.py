@@ -49,7 +49,9 @@ class LoRAManager:
                                            in_features, out_features)
                 setattr(owner, attribute, wrapped[name])
             self.modules.append(wrapped)
-        model.adapters = self.batch  # the model decodes layer by layer while a step's rows carry adapters
+        model.adapters = self.batch  # each step's rows' adapters, for the layers and the decode stack
+        if getattr(model, "decode_stack", None) is not None:  # decode steps with adapter rows stay in the stack
+            model.decode_stack.set_lora(self.modules)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: dict[str, int] = {}
         extra = sum(m.a.nbytes + m.b_t.nbytes for layer in self.modules for m in layer.values())

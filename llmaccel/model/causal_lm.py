@@ -131,7 +131,7 @@ class CausalLM(nn.Module):
     loader_class = WeightLoader
     # decode-only steps through the C++ decode stack (model/decode_stack.py): Llama-shaped layers only
     uses_decode_stack = False
-    adapters = None  # LoRA adapters' rows of the pass (lora/layers.LoRABatch) when served; `active`: no decode stack
+    adapters = None  # LoRA adapters' rows of the pass (lora/layers.LoRABatch) when served
 
     @classmethod
     def read_spec(cls, config: dict, source: str) -> ModelSpec:
@@ -223,7 +223,7 @@ class CausalLM(nn.Module):
         """The final normed hidden states, [tokens, hidden]. `taps` read the stream after chosen layers
         (the decode stack, which keeps it inside C++, is then not used); with `taps.stop` the pass ends
         after the last of them and returns None."""
-        if self.decode_stack is not None and taps is None and not (self.adapters is not None and self.adapters.active):
+        if self.decode_stack is not None and taps is None:
             normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
             if normed is not None:
                 return normed

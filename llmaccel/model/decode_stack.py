@@ -67,6 +67,22 @@ class DecodeStack:
 
     def __init__(self, stack, dtype: torch.dtype, choice: Bf16Choice | None) -> None:
         self.stack, self.dtype, self.choice = stack, dtype, choice
+        self.lora = False  # whether every projection holds its LoRA adapters (set_lora): then steps with adapter
+        # rows decode here too, each row's delta added in C++ (csrc/lora.h)
+
+    def set_lora(self, layers: list[dict[str, nn.Module]]) -> None:
+        """Every layer's projections (qkv, o, gate_up, down) add the deltas of their LoRALinear's adapters; where the
+        stack cannot take one, steps with adapter rows decode layer by layer (the reason logged)."""
+        try:
+            for i, modules in enumerate(layers):
+                for index, name in enumerate(("qkv", "o", "gate_up", "down")):
+                    m = modules[name]
+                    self.stack.set_lora(i, index, m.a, m.b_t, m.share, m.part_columns)
+        except RuntimeError as exc:
+            logger.info("the decode stack cannot take the LoRA adapters (%s); steps with adapter rows decode layer "
+                        "by layer", str(exc).splitlines()[0])
+            return
+        self.lora = True
 
     def decode(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -74,11 +90,15 @@ class DecodeStack:
         rows = input_ids.shape[0]
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return None
+        adapters = getattr(model, "adapters", None)
+        if adapters is not None and adapters.active and not self.lora:
+            return None
         hidden = model.embed(input_ids, positions).to(self.dtype)
         kernel = "stream" if self.choice is None else self.choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first)
+                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first,
+                                  adapters.slots if adapters is not None and adapters.active else None)
 
 
 def _layer_extras(layer: nn.Module) -> dict:

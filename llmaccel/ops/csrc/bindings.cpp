@@ -24,6 +24,8 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rope_(torch::Tensor qk, int64_t heads, int64_t head_dim, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b_t, torch::Tensor slots,
+               int64_t share, torch::Tensor part_columns);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots);
@@ -74,7 +76,14 @@ static void bind_decode_stack(pybind11::module& m) {
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("pre_mlp_norm") = py::none(),
            py::arg("post_mlp_norm") = py::none(), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
            py::arg("activation") = "silu")
-      .def("forward", &DecodeStackHandle::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward", &DecodeStackHandle::forward, py::arg("hidden"), py::arg("positions"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("context_lens"), py::arg("block_size"), py::arg("bf16_kernel"), py::arg("kv_first"),
+           py::arg("lora_slots") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("set_lora", &DecodeStackHandle::set_lora,
+           "LoRA adapters for layer `layer`'s projection `index` (0 qkv, 1 o, 2 gate_up, 3 down): lora/layers.py's "
+           "stacked a and b_t, held as they are", py::arg("layer"), py::arg("index"), py::arg("a"), py::arg("b_t"),
+           py::arg("share"), py::arg("part_columns"))
       .def_property_readonly("num_layers", &DecodeStackHandle::num_layers);
 }
 
@@ -136,6 +145,9 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, the residual added in place first if given", nogil);
   m.def("rope_", &rope_, "rotate-half RoPE of the first heads of each row, in place", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] rows", nogil);
+  m.def("lora_add_", &lora_add_, "y += each row's LoRA delta B_s A_s x in place (lora/layers.py's stacked adapters)",
+        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b_t"), py::arg("slots"), py::arg("share"),
+        py::arg("part_columns"), nogil);
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of [T, 2I] rows (GeGLU)", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN first), rows in parallel", nogil);
   m.def("sample_rows", &sample_rows, "one draw per row: temperature, top-k, top-p, min-p, inverse CDF", nogil);

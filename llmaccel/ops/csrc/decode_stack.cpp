@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "decode_stack.h"
+#include "lora.h"
 #include "kernels.h"
 
 namespace llmaccel {
@@ -215,6 +216,7 @@ struct StackLayer {
   torch::Tensor pre_mlp_norm, post_mlp_norm;
   torch::Tensor cos, sin;  // this layer's own rotary tables (Gemma 3's local layers), or undefined: the step's
   bool gelu;               // GeGLU (Gemma) in place of SwiGLU
+  LoRAWeights lora[4];     // the LoRA adapters of qkv, o, gate_up and down (lora/layers.py), or none
 };
 
 // [begin, end) of `units` for thread `tid` of `threads`, in near-equal runs.
@@ -358,16 +360,58 @@ class DecodeStack {
                        sin.value_or(torch::Tensor()), activation == "gelu_tanh"});
   }
 
+  // Layer `layer`'s projection `index` (0 qkv, 1 o, 2 gate_up, 3 down) gets LoRA adapters (lora.h): a forward
+  // with lora_slots adds each row's adapter delta to that projection's output. The tensors are held, not
+  // copied: adapters loaded into them later are read as they are.
+  void set_lora(int64_t layer, int64_t index, torch::Tensor a, torch::Tensor b_t, int64_t share,
+                torch::Tensor part_columns) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && index >= 0 && index < 4, "no projection ", index,
+                " of layer ", layer);
+    StackLayer& target = layers_[layer];
+    const StackLinear& w = *(index == 0 ? target.qkv : index == 1 ? target.o : index == 2 ? target.gate_up : target.down);
+    TORCH_CHECK(a.scalar_type() == dtype_ && b_t.scalar_type() == dtype_ && a.is_contiguous() && b_t.is_contiguous() &&
+                    a.dim() == 2 && b_t.dim() == 2 && a.size(1) == w.k && b_t.size(1) == w.n &&
+                    a.size(0) == b_t.size(0) && share > 0 && a.size(0) % share == 0,
+                "LoRA matrices must be contiguous a [slots x share, K] and b_t [slots x share, N] of the stack's dtype");
+    TORCH_CHECK(part_columns.scalar_type() == torch::kInt64 && part_columns.is_contiguous() &&
+                    part_columns.dim() == 2 && part_columns.size(1) == 2 && share % part_columns.size(0) == 0,
+                "part_columns must be contiguous int64 [P, 2], P dividing share");
+    TORCH_CHECK(!has_lora_ || a.size(0) / share == lora_slots_, "every projection's LoRA must hold one number of slots");
+    target.lora[index] = {a, b_t, part_columns, share};
+    has_lora_ = true;
+    lora_slots_ = a.size(0) / share;
+  }
+
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
   // fused_decode_attention, with one K and one V pool per layer. `bf16_kernel`: stream, gemm or
   // onednn (see Bf16Kernel; float32 and integer weights ignore it). `kv_first`: every row's K/V is written
   // before any row attends, so rows of one sequence at successive positions (speculative decoding's
-  // verification) see each other. Returns the final norm's output [S, H].
+  // verification) see each other. `lora_slots` (int64 [S], -1 for none): each row's LoRA adapter slot (set_lora).
+  // Returns the final norm's output [S, H].
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                        const std::string& bf16_kernel, bool kv_first) const {
+                        const std::string& bf16_kernel, bool kv_first,
+                        const c10::optional<torch::Tensor>& lora_slots) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+    std::vector<int64_t> lora_rows;  // the rows with an adapter
+    const int64_t* row_slots = nullptr;
+    if (lora_slots.has_value()) {
+      TORCH_CHECK(has_lora_, "lora_slots given, but the stack holds no LoRA adapters");
+      TORCH_CHECK(lora_slots->scalar_type() == torch::kInt64 && lora_slots->is_contiguous() &&
+                      lora_slots->numel() == hidden.size(0),
+                  "lora_slots must be contiguous int64 [S]");
+      row_slots = lora_slots->data_ptr<int64_t>();
+      for (int64_t i = 0; i < hidden.size(0); ++i) {
+        TORCH_CHECK(row_slots[i] >= -1 && row_slots[i] < lora_slots_, "row ", i, "'s LoRA slot ", row_slots[i],
+                    " is outside 0..", lora_slots_ - 1);
+        if (row_slots[i] >= 0) lora_rows.push_back(i);
+      }
+      // rows of one adapter side by side: each reads its adapter's A and B^T while the last row's are in cache
+      std::stable_sort(lora_rows.begin(), lora_rows.end(),
+                       [&](int64_t i, int64_t j) { return row_slots[i] < row_slots[j]; });
+    }
+    const StepLoRA lora{lora_rows, row_slots};
     const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
     TORCH_CHECK(!(has_packed_ && !reads_packed(kernel)) && !(has_plain_bf16_ && reads_packed(kernel)),
                 "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
@@ -382,14 +426,20 @@ class DecodeStack {
     }
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
-                        Bf16Kernel::kStream, kv_first);
+                        Bf16Kernel::kStream, kv_first, lora);
     return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
-                             block_size, kernel, kv_first);
+                             block_size, kernel, kv_first, lora);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  struct StepLoRA {  // a step's rows with a LoRA adapter, and every row's slot
+    const std::vector<int64_t>& rows;
+    const int64_t* slots;
+    bool on(const LoRAWeights& w) const { return !rows.empty() && w.defined(); }
+  };
+
   // Every phase in one parallel region, the projections by llmaccel's kernels; with kOneDnn each
   // bfloat16 projection is one oneDNN GEMM (at::linear, as the layer-by-layer path calls it) between
   // the parallel phases instead.
@@ -398,7 +448,7 @@ class DecodeStack {
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
                     const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                    Bf16Kernel kernel, bool kv_first) const {
+                    Bf16Kernel kernel, bool kv_first, const StepLoRA& lora) const {
     const int64_t seqs = hidden.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
     const bool int8_kv = k_caches.front().scalar_type() == torch::kInt8;
@@ -477,11 +527,32 @@ class DecodeStack {
           for (int64_t c = c0; c < c1; ++c) y[i * ldy + c] = static_cast<T>(to_float(y[i * ldy + c]) + to_float(b[c]));
       }
     };
-    auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y) {
+    // LoRA: the rows' shrinks split between the threads (then a barrier: every thread expands into its columns
+    // from all of them), and the expansion of columns [c0, c1) once they hold the projection's output
+    const int64_t lora_count = static_cast<int64_t>(lora.rows.size());
+    std::vector<float> shrink(lora.rows.empty() ? 0 : lora_count * max_lora_share());
+    auto lora_shrink_rows = [&](int tid, int threads, const LoRAWeights& l, const T* x, int64_t k) {
+      const auto pairs = share(lora_count * l.share, tid, threads);
+      lora_shrink(x, k, k, l.a.data_ptr<T>(), l.share, lora.rows.data(), lora.slots, pairs.first, pairs.second,
+                  shrink.data());
+    };
+    auto lora_expand_columns = [&](const LoRAWeights& l, T* y, int64_t ldy, int64_t c0, int64_t c1) {
+      lora_expand(shrink.data(), lora_count, l.b_t.data_ptr<T>(), l.b_t.size(1), l.share,
+                  l.part_columns.data_ptr<int64_t>(), l.part_columns.size(0), lora.rows.data(), lora.slots, y, ldy,
+                  c0, c1);
+    };
+    auto project = [&](int tid, int threads, ProjectionInput<T>& input, const StackLinear& w, const T* x, T* y,
+                       const LoRAWeights& l) {
       input.prepare(w, x, seqs, kernel);
+      if (lora.on(l)) {
+        lora_shrink_rows(tid, threads, l, x, w.k);
+#pragma omp barrier
+      }
       const int64_t unit = share_unit(w, kernel);
       const auto range = share((w.n + unit - 1) / unit, tid, threads);
-      columns(input, w, y, w.n, range.first * unit, std::min(w.n, range.second * unit));
+      const int64_t c0 = range.first * unit, c1 = std::min(w.n, range.second * unit);
+      columns(input, w, y, w.n, c0, c1);
+      if (lora.on(l)) lora_expand_columns(l, y, w.n, c0, c1);
     };
     // RoPE on an item's query and key heads (each normalised first where the layer has q/k norms, as the
     // layer path's RMSNorm over [tokens * heads, head_dim] does), and its key and value into the pool
@@ -548,7 +619,7 @@ class DecodeStack {
           const StackLayer& layer = layers_[l];
           norm_rows(tid, threads, layer.input_norm, l == 0);
 #pragma omp barrier
-          project(tid, threads, input, *layer.qkv, xn, qkv_p);
+          project(tid, threads, input, *layer.qkv, xn, qkv_p, layer.lora[0]);
 #pragma omp barrier
           if (kv_first) {
             write_all(tid, threads, l);
@@ -556,7 +627,7 @@ class DecodeStack {
           }
           attention(tid, threads, l, scratch, kv_first);
 #pragma omp barrier
-          project(tid, threads, input, *layer.o, attn_p, add);
+          project(tid, threads, input, *layer.o, attn_p, add, layer.lora[1]);
 #pragma omp barrier
           if (layer.pre_mlp_norm.defined()) {  // sandwich: the attention output normalised, then added
             norm_in_place(tid, threads, layer.post_norm);
@@ -567,15 +638,23 @@ class DecodeStack {
 #pragma omp barrier
           // gate and up columns of the same range go together, so SiLU-and-mul needs no pass of its own
           input.prepare(*layer.gate_up, xn, seqs, kernel);
+          if (lora.on(layer.lora[2])) {
+            lora_shrink_rows(tid, threads, layer.lora[2], xn, hidden_);
+#pragma omp barrier
+          }
           const int64_t unit = share_unit(*layer.gate_up, kernel);
           const auto range = share(inter / unit, tid, threads);
           const int64_t c0 = range.first * unit, c1 = range.second * unit;
           columns(input, *layer.gate_up, gu, 2 * inter, c0, c1);
           columns(input, *layer.gate_up, gu, 2 * inter, inter + c0, inter + c1);
+          if (lora.on(layer.lora[2])) {
+            lora_expand_columns(layer.lora[2], gu, 2 * inter, c0, c1);
+            lora_expand_columns(layer.lora[2], gu, 2 * inter, inter + c0, inter + c1);
+          }
           for (int64_t r = 0; r < seqs; ++r)
             activate(layer, gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
 #pragma omp barrier
-          project(tid, threads, input, *layer.down, act_p, add);
+          project(tid, threads, input, *layer.down, act_p, add, layer.lora[3]);
 #pragma omp barrier
           if (layer.post_mlp_norm.defined()) {
             norm_in_place(tid, threads, layer.post_mlp_norm);
@@ -592,18 +671,31 @@ class DecodeStack {
 #pragma omp parallel num_threads(at::get_num_threads())
       phase(omp_get_thread_num(), omp_get_num_threads());
     };
+    // a projection oneDNN computed gets its LoRA deltas in two phases of their own
+    auto linear = [&](const StackLinear& w, const LoRAWeights& l, const torch::Tensor& x, const torch::Tensor& out) {
+      torch::Tensor y = serial_linear<T>(w, l, x, out, project, in_parallel);
+      if (w.kind == StackLinear::kBf16 && lora.on(l)) {
+        const T* xp = x.data_ptr<T>();
+        in_parallel([&](int tid, int threads) { lora_shrink_rows(tid, threads, l, xp, w.k); });
+        in_parallel([&](int tid, int threads) {
+          const auto range = share(w.n, tid, threads);
+          lora_expand_columns(l, y.data_ptr<T>(), w.n, range.first, range.second);
+        });
+      }
+      return y;
+    };
     torch::Tensor qkv_out, o_out, gu_out, down_out;  // alive until the phase after the next reads them
     for (size_t l = 0; l < layers_.size(); ++l) {
       const StackLayer& layer = layers_[l];
       in_parallel([&](int tid, int threads) { norm_rows(tid, threads, layer.input_norm, l == 0); });
-      qkv_out = serial_linear<T>(*layer.qkv, normed, qkv, project, in_parallel);
+      qkv_out = linear(*layer.qkv, layer.lora[0], normed, qkv);
       qkv_p = qkv_out.data_ptr<T>();
       if (kv_first) in_parallel([&](int tid, int threads) { write_all(tid, threads, l); });
       in_parallel([&](int tid, int threads) {
         AttentionScratch scratch;
         attention(tid, threads, l, scratch, kv_first);
       });
-      o_out = serial_linear<T>(*layer.o, attn, pending, project, in_parallel);
+      o_out = linear(*layer.o, layer.lora[1], attn, pending);
       add = o_out.data_ptr<T>();
       in_parallel([&](int tid, int threads) {
         if (layer.pre_mlp_norm.defined()) {
@@ -613,14 +705,14 @@ class DecodeStack {
           norm_rows(tid, threads, layer.post_norm, false);
         }
       });
-      gu_out = serial_linear<T>(*layer.gate_up, normed, gate_up, project, in_parallel);
+      gu_out = linear(*layer.gate_up, layer.lora[2], normed, gate_up);
       const T* gu_p = gu_out.data_ptr<T>();
       in_parallel([&](int tid, int threads) {
         const auto rows = share(seqs, tid, threads);
         for (int64_t r = rows.first; r < rows.second; ++r)
           activate(layer, gu_p + r * 2 * inter, gu_p + r * 2 * inter + inter, act_p + r * inter, inter);
       });
-      down_out = serial_linear<T>(*layer.down, act, pending, project, in_parallel);
+      down_out = linear(*layer.down, layer.lora[3], act, pending);
       add = down_out.data_ptr<T>();
       if (layer.post_mlp_norm.defined())
         in_parallel([&](int tid, int threads) { norm_in_place(tid, threads, layer.post_mlp_norm); });
@@ -632,12 +724,12 @@ class DecodeStack {
   // y = x W^T (+ b) outside a parallel region: oneDNN's GEMM for bfloat16 weights (the layer path's
   // F.linear), llmaccel's kernel in a parallel phase otherwise (into `out`).
   template <typename T, typename Project, typename InParallel>
-  static torch::Tensor serial_linear(const StackLinear& w, const torch::Tensor& x, const torch::Tensor& out,
-                                     Project& project, InParallel& in_parallel) {
+  static torch::Tensor serial_linear(const StackLinear& w, const LoRAWeights& l, const torch::Tensor& x,
+                                     const torch::Tensor& out, Project& project, InParallel& in_parallel) {
     if (w.kind == StackLinear::kBf16) return at::linear(x, w.weight, w.bias.defined() ? w.bias : torch::Tensor());
     in_parallel([&](int tid, int threads) {
       ProjectionInput<T> input;
-      project(tid, threads, input, w, x.data_ptr<T>(), out.data_ptr<T>());
+      project(tid, threads, input, w, x.data_ptr<T>(), out.data_ptr<T>(), l);
     });
     return out;
   }
@@ -707,6 +799,16 @@ class DecodeStack {
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
   bool has_plain_bf16_ = false, has_packed_ = false, has_compact_ = false, all_quantized_ = true;  // over every layer's projections
+  bool has_lora_ = false;
+  int64_t lora_slots_ = 0;  // adapter slots every projection's LoRA holds
+
+  // the largest LoRA share of any projection (a step's shrink buffer holds a row's for each)
+  int64_t max_lora_share() const {
+    int64_t most = 0;
+    for (const auto& layer : layers_)
+      for (const auto& l : layer.lora) most = std::max(most, l.share);
+    return most;
+  }
 };
 
 // The handles bindings.cpp exposes (decode_stack.h): each forwards to the class above.
@@ -740,9 +842,15 @@ torch::Tensor DecodeStackHandle::forward(torch::Tensor hidden, torch::Tensor pos
                                          torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                                          std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                         const std::string& bf16_kernel, bool kv_first) const {
+                                         const std::string& bf16_kernel, bool kv_first,
+                                         c10::optional<torch::Tensor> lora_slots) const {
   return stack_->forward(hidden, positions, cos, sin, std::move(k_caches), std::move(v_caches), slots, block_tables,
-                         context_lens, block_size, bf16_kernel, kv_first);
+                         context_lens, block_size, bf16_kernel, kv_first, lora_slots);
+}
+
+void DecodeStackHandle::set_lora(int64_t layer, int64_t index, torch::Tensor a, torch::Tensor b_t, int64_t share,
+                                 torch::Tensor part_columns) {
+  stack_->set_lora(layer, index, a, b_t, share, part_columns);
 }
 
 int64_t DecodeStackHandle::num_layers() const { return stack_->num_layers(); }

@@ -532,8 +532,8 @@ class DecodeStack {
     const int64_t lora_count = static_cast<int64_t>(lora.rows.size());
     std::vector<float> shrink(lora.rows.empty() ? 0 : lora_count * max_lora_share());
     auto lora_shrink_rows = [&](int tid, int threads, const LoRAWeights& l, const T* x, int64_t k) {
-      const auto pairs = share(lora_count * l.share, tid, threads);
-      lora_shrink(x, k, k, l.a.data_ptr<T>(), l.share, lora.rows.data(), lora.slots, pairs.first, pairs.second,
+      const auto part = share(lora_count, tid, threads);
+      lora_shrink(x, k, k, l.a.data_ptr<T>(), l.share, lora.rows.data(), lora.slots, part.first, part.second,
                   shrink.data());
     };
     auto lora_expand_columns = [&](const LoRAWeights& l, T* y, int64_t ldy, int64_t c0, int64_t c1) {

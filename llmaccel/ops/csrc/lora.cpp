@@ -31,8 +31,8 @@ void add_deltas(T* y, const T* x, const T* a, const T* bt, const int64_t* slots,
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });  // (lora.h)
   const int64_t count = static_cast<int64_t>(rows.size());
   std::vector<float> shrink(count * share);
-  at::parallel_for(0, count * share, 16, [&](int64_t p0, int64_t p1) {
-    lora_shrink(x, k, k, a, share, rows.data(), slots, p0, p1, shrink.data());
+  at::parallel_for(0, count, 1, [&](int64_t r0, int64_t r1) {
+    lora_shrink(x, k, k, a, share, rows.data(), slots, r0, r1, shrink.data());
   });
   at::parallel_for(0, n, 64, [&](int64_t c0, int64_t c1) {
     lora_expand(shrink.data(), count, bt, n, share, parts, num_parts, rows.data(), slots, y, n, c0, c1);

@@ -67,7 +67,12 @@ def test_memory_a_step_frees_is_reused_without_faulting_pages_in_again(monkeypat
     monkeypatch.delenv(KEEP_FREED_MEMORY_ENV)
     if not keep_freed_memory():
         pytest.skip("not glibc's malloc")
-    torch.ones(16 << 20)  # 64 MB, freed at once
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(16 << 20)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000  # 16,384 pages if mapped afresh
+    # 64 MB, freed at once, six times: glibc's default maps and unmaps it each time (16,384 page faults a round,
+    # every round); kept, the heap reuses it. Which round first reuses it depends on what earlier tests left on
+    # the heap (alone: the third; after some LLM tests, later), so the test asks for one round without faults.
+    faults = []
+    for _ in range(6):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(16 << 20)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert min(faults) < 1000, faults

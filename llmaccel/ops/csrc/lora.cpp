@@ -2,9 +2,9 @@
 // adapter slot s = slots[i] is not -1 (lora/layers.py holds each projection's adapters stacked: A [slots x share,
 // K] and B^T [slots x share, N], the scaling folded into B).
 //
-// In torch this was a gather, two batched matmuls, an index_select and an index_add a projection: ~300 us of
-// dispatch for ~20 us of arithmetic at the default model's shape, 120 projections a step, so 64 requests over 8
-// adapters ran at 0.58x the base model's speed. Here it is one call: the rows' shrinks (A_s x, `share` dot products
+// In torch this was a gather, two batched matmuls, an index_select and an index_add a projection, ~300 us of
+// dispatch each at the default model's shape, 120 projections a step: 64 requests over 8 adapters ran at 0.58x the
+// base model's speed. Here it is one call: the rows' shrinks (A_s x, `share` dot products
 // over K each) split between the threads, then the columns, each thread adding every adapter row's expansion to its
 // own columns. Where q, k and v (or gate and up) are fused, adapter rows of a part touch only that part's columns
 // (`part_columns`), so the block-diagonal zeros of B^T are skipped. The roundings are torch's for a bfloat16

@@ -93,6 +93,21 @@ def test_every_adapter_and_the_base_in_one_batch_match_hf_peft(llm, expected):
             assert got[(p, name)] == unmerged[name][p], (p, name)
 
 
+@pytest.mark.skipif(gemv_kernels() is None, reason="no CPU kernels")
+def test_the_cpu_kernel_names_a_slot_or_part_it_cannot_read():
+    kernels = gemv_kernels()
+    y, x = torch.zeros(2, 8), torch.zeros(2, 4)
+    a, b_t = torch.zeros(6, 4), torch.zeros(6, 8)  # 3 slots of share 2
+    parts = torch.tensor([[0, 8]])
+    with pytest.raises(RuntimeError, match="row 1's adapter slot 3 is outside 0..2"):
+        kernels.lora_add_(y, x, a, b_t, torch.tensor([0, 3]), 2, parts)
+    with pytest.raises(RuntimeError, match="part 0's columns are outside 0..8"):
+        kernels.lora_add_(y, x, a, b_t, torch.tensor([0, 1]), 2, torch.tensor([[0, 9]]))
+    with pytest.raises(RuntimeError, match="whole shares"):
+        kernels.lora_add_(y, x, a, b_t, torch.tensor([0, 1]), 4, torch.tensor([[0, 8]]))
+    kernels.lora_add_(y, x, a, b_t, torch.tensor([-1, 2]), 2, parts)  # in range: no error
+
+
 def test_decode_steps_with_adapter_rows_run_in_the_decode_stack_as_the_layers_run_them(llm, expected, monkeypatch):
     """The C++ decode stack holds every projection's adapters (csrc/lora.h) and takes the steps whose rows carry
     them; the same batch decoded layer by layer (the stack told it holds none) gives the same tokens."""

@@ -19,6 +19,8 @@ projection.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -33,25 +35,38 @@ class LoRABatch:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.active = False  # whether a row of the pass has an adapter
-        self.lo = self.hi = 0  # the slots of the step's adapters lie in lo..hi-1
         self.slots = None  # each row's slot, int64 (the CPU kernel's input)
-        self.gather = self.kept = self.targets = None  # the segments (set_rows)
+        self._segments: Segments | None = None  # the torch path's, made at its first use in a pass
 
     def set_rows(self, slots: list[int]) -> None:
         """`slots`: each row's adapter slot, -1 for the base model."""
-        used = {s for s in slots if s >= 0}
-        self.active = bool(used)
-        if not used:
-            return
-        self.slots = torch.tensor(slots, dtype=torch.long)
-        self.lo, self.hi = min(used), max(used) + 1
-        members = [[i for i, s in enumerate(slots) if s == slot] for slot in range(self.lo, self.hi)]
-        width = max(len(m) for m in members)
-        # segments: the rows of each slot lo..hi-1 side by side, padded with row 0 (their results are dropped)
-        self.gather = torch.tensor([m + [0] * (width - len(m)) for m in members], device=self.device)
-        self.kept = torch.tensor([j * width + i for j, m in enumerate(members) for i in range(len(m))],
-                                 device=self.device)
-        self.targets = torch.tensor([i for m in members for i in m], device=self.device)
+        self.active = any(s >= 0 for s in slots)
+        self._segments = None
+        if self.active:
+            self.slots = torch.tensor(slots, dtype=torch.long)
+
+    def segments(self) -> Segments:
+        """The rows of each slot lo..hi-1 side by side, padded with row 0 (their results are dropped): built
+        once a pass, and only where the torch ops add the deltas (the CPU kernel reads `slots`)."""
+        if self._segments is None:
+            slots = self.slots.tolist()
+            used = {s for s in slots if s >= 0}
+            lo, hi = min(used), max(used) + 1
+            members = [[i for i, s in enumerate(slots) if s == slot] for slot in range(lo, hi)]
+            width = max(len(m) for m in members)
+            self._segments = Segments(
+                lo, hi, torch.tensor([m + [0] * (width - len(m)) for m in members], device=self.device),
+                torch.tensor([j * width + i for j, m in enumerate(members) for i in range(len(m))], device=self.device),
+                torch.tensor([i for m in members for i in m], device=self.device))
+        return self._segments
+
+
+class Segments(NamedTuple):
+    lo: int  # the slots of the pass's adapters lie in lo..hi-1
+    hi: int
+    gather: torch.Tensor  # [hi - lo, width]: each slot's rows, padded
+    kept: torch.Tensor  # the real rows' places in the flattened segments
+    targets: torch.Tensor  # and the rows they are
 
 
 class LoRALinear(nn.Module):
@@ -96,9 +111,9 @@ class LoRALinear(nn.Module):
         if self._kernels is not None and x.dim() == 2 and x.dtype == y.dtype == self.a.dtype and y.is_contiguous():
             self._kernels.lora_add_(y, x.contiguous(), self.a, self.b_t, batch.slots, self.share, self.part_columns)
             return y
-        slots = self.a.shape[0] // self.share
-        a = self.a.view(slots, self.share, -1)[batch.lo:batch.hi]
-        b = self.b_t.view(slots, self.share, -1)[batch.lo:batch.hi]
-        shrink = torch.bmm(x.to(a.dtype)[batch.gather], a.transpose(1, 2))
-        delta = torch.bmm(shrink, b).flatten(0, 1).index_select(0, batch.kept)
-        return y.index_add_(0, batch.targets, delta.to(y.dtype))
+        slots, seg = self.a.shape[0] // self.share, batch.segments()
+        a = self.a.view(slots, self.share, -1)[seg.lo:seg.hi]
+        b = self.b_t.view(slots, self.share, -1)[seg.lo:seg.hi]
+        shrink = torch.bmm(x.to(a.dtype)[seg.gather], a.transpose(1, 2))
+        delta = torch.bmm(shrink, b).flatten(0, 1).index_select(0, seg.kept)
+        return y.index_add_(0, seg.targets, delta.to(y.dtype))

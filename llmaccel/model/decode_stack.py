@@ -91,14 +91,14 @@ class DecodeStack:
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return None
         adapters = getattr(model, "adapters", None)
-        if adapters is not None and adapters.active and not self.lora:
+        lora_slots = adapters.slots if adapters is not None and adapters.active else None
+        if lora_slots is not None and not self.lora:
             return None
         hidden = model.embed(input_ids, positions).to(self.dtype)
         kernel = "stream" if self.choice is None else self.choice.kernel(rows)
         return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
                                   [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first,
-                                  adapters.slots if adapters is not None and adapters.active else None)
+                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first, lora_slots)
 
 
 def _layer_extras(layer: nn.Module) -> dict:

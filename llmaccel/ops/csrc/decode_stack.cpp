@@ -369,17 +369,11 @@ class DecodeStack {
                 " of layer ", layer);
     StackLayer& target = layers_[layer];
     const StackLinear& w = *(index == 0 ? target.qkv : index == 1 ? target.o : index == 2 ? target.gate_up : target.down);
-    TORCH_CHECK(a.scalar_type() == dtype_ && b_t.scalar_type() == dtype_ && a.is_contiguous() && b_t.is_contiguous() &&
-                    a.dim() == 2 && b_t.dim() == 2 && a.size(1) == w.k && b_t.size(1) == w.n &&
-                    a.size(0) == b_t.size(0) && share > 0 && a.size(0) % share == 0,
-                "LoRA matrices must be contiguous a [slots x share, K] and b_t [slots x share, N] of the stack's dtype");
-    TORCH_CHECK(part_columns.scalar_type() == torch::kInt64 && part_columns.is_contiguous() &&
-                    part_columns.dim() == 2 && part_columns.size(1) == 2 && share % part_columns.size(0) == 0,
-                "part_columns must be contiguous int64 [P, 2], P dividing share");
-    TORCH_CHECK(!has_lora_ || a.size(0) / share == lora_slots_, "every projection's LoRA must hold one number of slots");
+    check_lora_weights(a, b_t, share, part_columns, dtype_, w.k, w.n);
+    TORCH_CHECK(lora_slots_ == 0 || a.size(0) / share == lora_slots_, "every projection's LoRA must hold one number of slots");
     target.lora[index] = {a, b_t, part_columns, share};
-    has_lora_ = true;
     lora_slots_ = a.size(0) / share;
+    max_lora_share_ = std::max(max_lora_share_, share);
   }
 
   // hidden [S, H]: the embedding rows of S decoding sequences, one token each; the rest as for
@@ -394,24 +388,17 @@ class DecodeStack {
                         const std::string& bf16_kernel, bool kv_first,
                         const c10::optional<torch::Tensor>& lora_slots) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
-    std::vector<int64_t> lora_rows;  // the rows with an adapter
+    std::vector<int64_t> adapter_rows;  // the rows with an adapter (lora.h)
     const int64_t* row_slots = nullptr;
     if (lora_slots.has_value()) {
-      TORCH_CHECK(has_lora_, "lora_slots given, but the stack holds no LoRA adapters");
+      TORCH_CHECK(lora_slots_ > 0, "lora_slots given, but the stack holds no LoRA adapters");
       TORCH_CHECK(lora_slots->scalar_type() == torch::kInt64 && lora_slots->is_contiguous() &&
                       lora_slots->numel() == hidden.size(0),
                   "lora_slots must be contiguous int64 [S]");
       row_slots = lora_slots->data_ptr<int64_t>();
-      for (int64_t i = 0; i < hidden.size(0); ++i) {
-        TORCH_CHECK(row_slots[i] >= -1 && row_slots[i] < lora_slots_, "row ", i, "'s LoRA slot ", row_slots[i],
-                    " is outside 0..", lora_slots_ - 1);
-        if (row_slots[i] >= 0) lora_rows.push_back(i);
-      }
-      // rows of one adapter side by side: each reads its adapter's A and B^T while the last row's are in cache
-      std::stable_sort(lora_rows.begin(), lora_rows.end(),
-                       [&](int64_t i, int64_t j) { return row_slots[i] < row_slots[j]; });
+      adapter_rows = lora_rows(row_slots, hidden.size(0), lora_slots_);
     }
-    const StepLoRA lora{lora_rows, row_slots};
+    const StepLoRA lora{adapter_rows, row_slots};
     const Bf16Kernel kernel = parse_bf16_kernel(bf16_kernel);
     TORCH_CHECK(!(has_packed_ && !reads_packed(kernel)) && !(has_plain_bf16_ && reads_packed(kernel)),
                 "bfloat16 kernel '", bf16_kernel, "' does not read this stack's ",
@@ -530,7 +517,7 @@ class DecodeStack {
     // LoRA: the rows' shrinks split between the threads (then a barrier: every thread expands into its columns
     // from all of them), and the expansion of columns [c0, c1) once they hold the projection's output
     const int64_t lora_count = static_cast<int64_t>(lora.rows.size());
-    std::vector<float> shrink(lora.rows.empty() ? 0 : lora_count * max_lora_share());
+    std::vector<float> shrink(lora_count * max_lora_share_);
     auto lora_shrink_rows = [&](int tid, int threads, const LoRAWeights& l, const T* x, int64_t k) {
       const auto part = share(lora_count, tid, threads);
       lora_shrink(x, k, k, l.a.data_ptr<T>(), l.share, lora.rows.data(), lora.slots, part.first, part.second,
@@ -799,16 +786,8 @@ class DecodeStack {
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
   bool has_plain_bf16_ = false, has_packed_ = false, has_compact_ = false, all_quantized_ = true;  // over every layer's projections
-  bool has_lora_ = false;
-  int64_t lora_slots_ = 0;  // adapter slots every projection's LoRA holds
-
-  // the largest LoRA share of any projection (a step's shrink buffer holds a row's for each)
-  int64_t max_lora_share() const {
-    int64_t most = 0;
-    for (const auto& layer : layers_)
-      for (const auto& l : layer.lora) most = std::max(most, l.share);
-    return most;
-  }
+  int64_t lora_slots_ = 0;  // adapter slots every projection's LoRA holds (set_lora), 0 for none
+  int64_t max_lora_share_ = 0;  // the largest LoRA share of any projection: a step's shrinks hold a row's for each
 };
 
 // The handles bindings.cpp exposes (decode_stack.h): each forwards to the class above.

@@ -12,7 +12,6 @@
 #include "aten.h"
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -22,13 +21,9 @@ namespace llmaccel {
 namespace {
 
 template <typename T>
-void add_deltas(T* y, const T* x, const T* a, const T* bt, const int64_t* slots, int64_t m, int64_t k, int64_t n,
-                int64_t share, const int64_t* parts, int64_t num_parts) {
-  std::vector<int64_t> rows;  // the rows with an adapter
-  for (int64_t i = 0; i < m; ++i)
-    if (slots[i] >= 0) rows.push_back(i);
+void add_deltas(T* y, const T* x, const T* a, const T* bt, const int64_t* slots, const std::vector<int64_t>& rows,
+                int64_t k, int64_t n, int64_t share, const int64_t* parts, int64_t num_parts) {
   if (rows.empty()) return;
-  std::stable_sort(rows.begin(), rows.end(), [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });  // (lora.h)
   const int64_t count = static_cast<int64_t>(rows.size());
   std::vector<float> shrink(count * share);
   at::parallel_for(0, count, 1, [&](int64_t r0, int64_t r1) {
@@ -49,35 +44,21 @@ using namespace llmaccel;
 // the rank each part holds).
 void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b_t, torch::Tensor slots,
                int64_t share, torch::Tensor part_columns) {
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 2 && b_t.dim() == 2, "y, x, a and b_t must be matrices");
-  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
-                  b_t.scalar_type() == x.scalar_type(),
-              "y, x, a and b_t must share one dtype");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.scalar_type() == x.scalar_type() && y.is_contiguous() &&
+                  x.is_contiguous() && y.size(0) == x.size(0),
+              "y [M, N] and x [M, K] must be contiguous, of one dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && b_t.is_contiguous(),
-              "y, x, a and b_t must be contiguous");
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  TORCH_CHECK(y.size(0) == m && a.size(1) == k && b_t.size(1) == n && a.size(0) == b_t.size(0),
-              "shapes: y [M, N], x [M, K], a [S * share, K], b_t [S * share, N]");
-  TORCH_CHECK(share > 0 && a.size(0) % share == 0, "a's rows must be whole shares");
+  check_lora_weights(a, b_t, share, part_columns, x.scalar_type(), k, n);
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == m,
               "slots must be contiguous int64 [M]");
-  TORCH_CHECK(part_columns.scalar_type() == torch::kInt64 && part_columns.is_contiguous() &&
-                  part_columns.dim() == 2 && part_columns.size(1) == 2 && part_columns.size(0) > 0 &&
-                  share % part_columns.size(0) == 0,
-              "part_columns must be contiguous int64 [P, 2], P dividing share");
   const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t num_slots = a.size(0) / share;
-  for (int64_t i = 0; i < m; ++i)
-    TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "row ", i, "'s adapter slot ", s[i], " is outside 0..", num_slots - 1);
+  const std::vector<int64_t> rows = lora_rows(s, m, a.size(0) / share);
   const int64_t* parts = part_columns.data_ptr<int64_t>();
-  for (int64_t p = 0; p < part_columns.size(0); ++p)
-    TORCH_CHECK(0 <= parts[2 * p] && parts[2 * p] <= parts[2 * p + 1] && parts[2 * p + 1] <= n,
-                "part ", p, "'s columns are outside 0..", n);
   if (x.scalar_type() == torch::kFloat32)
     return add_deltas<float>(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), b_t.data_ptr<float>(), s,
-                             m, k, n, share, parts, part_columns.size(0));
+                             rows, k, n, share, parts, part_columns.size(0));
   using T = at::BFloat16;
-  add_deltas<T>(y.data_ptr<T>(), x.data_ptr<T>(), a.data_ptr<T>(), b_t.data_ptr<T>(), s, m, k, n, share, parts,
+  add_deltas<T>(y.data_ptr<T>(), x.data_ptr<T>(), a.data_ptr<T>(), b_t.data_ptr<T>(), s, rows, k, n, share, parts,
                 part_columns.size(0));
 }

@@ -57,6 +57,35 @@ struct LoRAWeights {
   bool defined() const { return share > 0; }
 };
 
+// The matrices of LoRAWeights for a projection of K inputs and N outputs in `dtype`, checked.
+inline void check_lora_weights(const at::Tensor& a, const at::Tensor& b_t, int64_t share, const at::Tensor& part_columns,
+                               at::ScalarType dtype, int64_t k, int64_t n) {
+  TORCH_CHECK(a.scalar_type() == dtype && b_t.scalar_type() == dtype && a.is_contiguous() && b_t.is_contiguous() &&
+                  a.dim() == 2 && b_t.dim() == 2 && a.size(1) == k && b_t.size(1) == n && a.size(0) == b_t.size(0),
+              "LoRA matrices must be contiguous a [slots x share, ", k, "] and b_t [slots x share, ", n, "] of ", dtype);
+  TORCH_CHECK(share > 0 && a.size(0) % share == 0, "a's rows must be whole shares");
+  TORCH_CHECK(part_columns.scalar_type() == at::kLong && part_columns.is_contiguous() && part_columns.dim() == 2 &&
+                  part_columns.size(1) == 2 && part_columns.size(0) > 0 && share % part_columns.size(0) == 0,
+              "part_columns must be contiguous int64 [P, 2], P dividing share");
+  const int64_t* parts = part_columns.data_ptr<int64_t>();
+  for (int64_t p = 0; p < part_columns.size(0); ++p)
+    TORCH_CHECK(0 <= parts[2 * p] && parts[2 * p] <= parts[2 * p + 1] && parts[2 * p + 1] <= n,
+                "part ", p, "'s columns are outside 0..", n);
+}
+
+// The rows of a step with an adapter (slots[i] >= 0; every slot checked against the `num_slots` the matrices
+// hold), those of one adapter side by side: each reads its adapter's A and B^T while the last row's are in cache.
+inline std::vector<int64_t> lora_rows(const int64_t* slots, int64_t m, int64_t num_slots) {
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK(slots[i] >= -1 && slots[i] < num_slots, "row ", i, "'s adapter slot ", slots[i], " is outside 0..",
+                num_slots - 1);
+    if (slots[i] >= 0) rows.push_back(i);
+  }
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });
+  return rows;
+}
+
 // shrink[r * share + j] for rows r0 <= r < r1 of `rows` (sorted by slot) and every j < share: the dot of x's row
 // rows[r] with its adapter's row j of A, rounded to T as a T matmul's output is. Rows of one adapter go together,
 // four rows of A at a time against each of them, so an A row comes from memory once an adapter. With AVX512-BF16

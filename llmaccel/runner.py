@@ -24,6 +24,7 @@ from llmaccel.lora.manager import LoRAManager
 from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.rope import rope_inverse_frequencies, turn_keys
+from llmaccel.model.step_interrupt import StepInterrupt, StepInterrupted
 from llmaccel.ops.kv_int8 import loaded, row_width, stored
 from llmaccel.sampler import Sampler, SamplingRow, sampling_row
 from llmaccel.step_result import (
@@ -101,14 +102,17 @@ class ModelRunner:
             self.guard.forget(request_id)
 
     def execute(self, output: SchedulerOutput, confidence: bool = False,
-                drafts: Mapping[str, list[int]] | None = None, features: bool = False) -> StepResult:
+                drafts: Mapping[str, list[int]] | None = None, features: bool = False,
+                interrupt: StepInterrupt | None = None) -> StepResult:
         """Run one step; returns, for every request that samples, its new tokens (one, or with `drafts`
         the kept drafts and one more, spec/verify.py), each with its logprobs (if asked) and, with
         `confidence`, the top probability of its sampling distribution; and the error of each request
         whose sampling failed (the others are not affected). An error of the forward pass, which no
         request can be blamed for, is raised. `drafts`: request id -> tokens proposed after its last
         token, verified in this pass as rows of their own (the scheduler gave them slots). `features`: also
-        return every row's final hidden state by request (a draft head reads them, spec/draft_head.py)."""
+        return every row's final hidden state by request (a draft head reads them, spec/draft_head.py).
+        `interrupt`: raised by another thread, the forward pass stops at a layer boundary with StepInterrupted, and
+        nothing of the step is kept (model/step_interrupt.py)."""
         drafts = drafts or {}
         spans = []
         for item in output.scheduled:
@@ -123,7 +127,12 @@ class ModelRunner:
         spans = in_row_order(spans)
         pieces = self._guard_pieces(spans) if self.guard is not None else []
         taps = self.guard.taps(pieces) if pieces else None
-        hidden, spans = self.forward_spans(spans, taps=taps)
+        try:
+            hidden, spans = self.forward_spans(spans, taps=taps, interrupt=interrupt)
+        except StepInterrupted:
+            if masks is not None:  # the worker must be done with the grammars before the next step fills them
+                masks[1].exception()
+            raise
         judged = self.guard.observe(pieces, taps) if taps is not None else {}
         kept_features = span_features(hidden, spans) if features else {}
         prompt_logprobs = prompt_token_logprobs(self.model, self.sampler, hidden, spans)
@@ -224,8 +233,8 @@ class ModelRunner:
         return places, self._mask_worker.submit(self.grammars.fill, requests, num_rows)
 
     @torch.inference_mode()
-    def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None, taps: LayerTaps | None = None
-                      ) -> tuple[torch.Tensor | None, list[Span]]:
+    def forward_spans(self, spans: list[Span], features: torch.Tensor | None = None, taps: LayerTaps | None = None,
+                      interrupt: StepInterrupt | None = None) -> tuple[torch.Tensor | None, list[Span]]:
         """Run spans of tokens (their blocks allocated) through the model, writing their K/V. Returns the
         final hidden states, [rows, hidden], and the spans in the order of those rows: rows spans first
         (every token a decode query of its own), then chunks (causal within, over their cached context).
@@ -247,6 +256,8 @@ class ModelRunner:
         extra = {} if features is None else {"features": features}
         if taps is not None:
             extra["taps"] = taps
+        if interrupt is not None:
+            extra["interrupt"] = interrupt
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta,
                             self.kv_caches, **extra)
         return hidden, ordered

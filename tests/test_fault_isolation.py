@@ -116,11 +116,11 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(l
     real_execute = engine.runner.execute
     calls = []
 
-    def execute(scheduled, confidence=False, drafts=None, features=False):
+    def execute(scheduled, confidence=False, drafts=None, features=False, interrupt=None):
         calls.append(len(scheduled.scheduled))
         if len(calls) == 3:
             raise RuntimeError("injected kernel fault")
-        return real_execute(scheduled, confidence, drafts, features)
+        return real_execute(scheduled, confidence, drafts, features, interrupt)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     engine.add_request("first", PROMPTS[0], PARAMS[0])
@@ -161,10 +161,10 @@ def test_serve_exits_with_status_1_when_steps_keep_failing(llama_dir, monkeypatc
     steps in a row the process exits non-zero (for a supervisor to restart it), not 503 forever."""
     real_execute = ModelRunner.execute
 
-    def execute(self, scheduled, confidence=False, drafts=None, features=False):
+    def execute(self, scheduled, confidence=False, drafts=None, features=False, interrupt=None):
         if any(item.request.prompt_token_ids == POISON for item in scheduled.scheduled):
             raise RuntimeError("injected: the device is gone")
-        return real_execute(self, scheduled, confidence, drafts, features)
+        return real_execute(self, scheduled, confidence, drafts, features, interrupt)
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     port = free_port()

@@ -135,3 +135,56 @@ def test_a_high_priority_request_over_http_overtakes_a_queue_of_low_ones(llama_d
         assert finished[0] == "high" and sorted(finished[1:]) == ["low0", "low1", "low2", "low3"]
         server.wait_idle()
         assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_an_arrival_outranks_the_step_in_flight_only_with_a_better_rank():
+    sched = make()
+    assert not sched.outranks_step(0, "")  # no step in flight
+    sched.add_request(request("low", 5))
+    sched.schedule()
+    assert sched.outranks_step(4, "") and not sched.outranks_step(5, "") and not sched.outranks_step(9, "")
+    fcfs = make(policy="fcfs")
+    fcfs.add_request(request("low", 5))
+    fcfs.schedule()
+    assert not fcfs.outranks_step(0, "")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_owner_shares_decay_with_their_half_life_and_name_the_owners_behind():
+    from llmaccel.engine.owner_shares import OwnerShares
+
+    clock = Clock()
+    shares = OwnerShares(half_life_s=2.0, clock=clock)
+    shares.record({"heavy": 100, "light": 10})
+    assert shares.behind({"heavy", "light"}) == {"light"}  # 10 < 0.5 * 55
+    assert shares.behind({"heavy"}) == frozenset() and shares.behind({"light", "new"}) == {"new"}
+    clock.now = 2.0
+    shares.record({"light": 40})
+    assert shares.served("heavy") == 50.0 and shares.served("light") == 45.0
+    assert shares.behind({"heavy", "light"}) == frozenset()  # about equal: nobody is behind
+    clock.now = 20.0
+    shares.record({})
+    assert shares.served("heavy") == 0.0  # under half a token after ten half-lives: forgotten
+
+
+def test_a_light_owner_behind_its_share_runs_its_prompt_before_the_heavy_owners_rows_and_outranks_them():
+    sched = make(budget=64)
+    heavy = [request(f"heavy{i}", owner="heavy", arrival=float(i)) for i in range(3)]
+    for r in heavy:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update(out, {r.request_id: [7] for r in heavy})  # heavy is served 12 tokens, light nothing yet
+    assert not sched.outranks_step(0, "heavy") and sched.outranks_step(0, "light")  # light is not among the ahead
+    sched.add_request(request("light", owner="light", arrival=10.0))
+    out = sched.schedule()
+    assert ids(out) == ["light"]  # its prompt alone: heavy's decode rows wait a step
+    sched.update(out, {"light": [7]})
+    # 4 tokens against heavy's 12 is no longer under half the mean: the owners take turns again, everyone decodes
+    assert ids(sched.schedule()) == ["heavy0", "light", "heavy1", "heavy2"]

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128, help="each server's --max-num-seqs")
     parser.add_argument("--low-requests", type=int, default=64, help="long low-priority requests queued")
     parser.add_argument("--low-tokens", type=int, default=512, help="tokens each of them generates")
-    parser.add_argument("--ttft-samples", type=int, default=7, help="high-priority requests timed, idle and loaded")
+    parser.add_argument("--ttft-samples", type=int, default=15, help="high-priority requests timed, idle and loaded")
     parser.add_argument("--light-clients", type=int, default=2, help="the light key's concurrent clients")
     parser.add_argument("--fair-tokens", type=int, default=64, help="tokens per fair-share request")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each fair-share phase")
@@ -109,6 +109,14 @@ async def _fair_phase(url: str, args: argparse.Namespace, with_flood: bool) -> l
     return times
 
 
+def _interrupted_steps(url: str) -> int:
+    """Steps the server has stopped between layers so far, for arrivals that outranked them."""
+    import httpx
+
+    stats = httpx.get(url + "/v1/llmaccel/stats", headers={"Authorization": f"Bearer {KEYS['light']}"}).json()
+    return int(stats["totals"]["interrupted_steps"] or 0)
+
+
 def run(args: argparse.Namespace) -> int:
     from llmaccel.bench.servers import free_port, start_server, stop_server
     from llmaccel.platform import describe
@@ -126,12 +134,17 @@ def run(args: argparse.Namespace) -> int:
             url = f"http://127.0.0.1:{port}"
             try:
                 priority = asyncio.run(_priority_phase(url, args))
+                priority["interrupted_steps"] = _interrupted_steps(url)
                 alone = asyncio.run(_fair_phase(url, args, with_flood=False))
+                before = _interrupted_steps(url)
                 flooded = asyncio.run(_fair_phase(url, args, with_flood=True))
+                interrupted = _interrupted_steps(url) - before
             finally:
                 stop_server(proc)
             fair = {"light_alone_ttft_s": alone, "light_flooded_ttft_s": flooded,
-                    "ratio": statistics.median(flooded) / statistics.median(alone)}
+                    "ratio": statistics.median(flooded) / statistics.median(alone),
+                    "light_requests_alone": len(alone), "light_requests_flooded": len(flooded),
+                    "interrupted_steps_flooded": interrupted}
             results["policies"][policy] = {"priority": priority, "fair_share": fair}
             print(f"{policy}: high-priority TTFT {statistics.median(priority['idle_ttft_s']) * 1e3:.0f} ms idle, "
                   f"{statistics.median(priority['loaded_ttft_s']) * 1e3:.0f} ms behind {args.low_requests} low "

@@ -140,6 +140,8 @@ class AsyncEngine(EngineThread):
             self._streams[request_id] = stream
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params,
                                        arrival_time if arrival_time is not None else time.time(), priority, owner))
+            if self.engine.scheduler.outranks_step(priority, owner):  # it should not wait for the step in flight
+                self.engine.interrupt.raise_()
             self._cond.notify()
         return stream
 

@@ -30,6 +30,7 @@ from llmaccel.lora.adapter import LoRAAdapter
 from llmaccel.lora.manager import LoRAManager
 from llmaccel.model.layers import weight_bytes
 from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.step_interrupt import StepInterrupt, StepInterrupted
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.ops.kv_int8 import kv_storage_dtype
 from llmaccel.outputs import RequestMetrics, RequestOutput
@@ -49,6 +50,7 @@ class StepStats:
 
     num_seqs: int
     num_tokens: int
+    interrupted: bool = False  # stopped between layers for a request that outranks it: nothing of it was kept
 
 
 class LLMEngine:
@@ -126,6 +128,10 @@ class LLMEngine:
         self._counter = 0
         self.num_steps = 0
         self.num_failed_steps = 0
+        # another thread raises it to stop the step in flight for a request that outranks it (see
+        # model/step_interrupt.py; only --scheduling-policy priority raises it)
+        self.interrupt = StepInterrupt()
+        self.num_interrupted_steps = 0
         self.last_step = StepStats(0, 0)
         self.last_step_failed = False  # the last step's forward pass raised (its requests were failed)
         self.record_confidence = False  # the output guard wants each sample's mean top probability
@@ -311,13 +317,20 @@ class LLMEngine:
         try:
             drafts = self.drafter.propose(drafting) if drafting else {}
             features = self.drafter is not None and self.drafter.wants_features
-            results = self.runner.execute(scheduled, self.record_confidence, drafts, features)
+            # a drafter has moved on by the time a step could stop: steps with speculation always complete
+            interrupt = self.interrupt if self.drafter is None else None
+            results = self.runner.execute(scheduled, self.record_confidence, drafts, features, interrupt)
             if features:
                 self.drafter.observe(results.features)
             if results.prompt_logprobs:  # a prefill's prompt logprobs, for the requests that asked
                 by_id = {item.request.request_id: item.request for item in scheduled.scheduled}
                 for request_id, (first, items) in results.prompt_logprobs.items():
                     by_id[request_id].prompt_logprobs[first:first + len(items)] = items
+        except StepInterrupted:  # for a request that outranks this step's rows: nothing of it is kept
+            self.num_interrupted_steps += 1
+            self.last_step = replace(self.last_step, interrupted=True)
+            logger.debug("engine step %d stopped between layers for a request of higher rank", self.num_steps)
+            return []
         except Exception as exc:
             self.last_step_failed = True
             self.num_failed_steps += 1

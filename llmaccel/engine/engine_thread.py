@@ -199,6 +199,7 @@ class EngineThread:
         with self._cond:
             commands = list(self._commands)
             self._commands.clear()
+            self.engine.interrupt.clear()  # raised, if at all, for one of these: it is in the next step
         for command in commands:
             if isinstance(command, AbortCommand):
                 self.engine.abort_request(command.request_id)

@@ -1,15 +1,18 @@
 """The priority policy (--scheduling-policy priority): the same token-budget rule as the FCFS scheduler, over the
-running and waiting requests together in priority order.
+running and waiting requests together in rank order.
 
-Each step walks the candidates best first: a lower `priority` first (vLLM's semantics); within a priority, the
-owner (an API key's client id) that has been given the fewest of this step's tokens so far, so one key's flood
-shares the budget with a lighter key instead of filling it; then running before waiting, then arrival. A running
-request gets its next chunk, a waiting one is admitted. A step that computes a prompt stops before any request
-of worse priority, so a high-priority arrival's first token waits for no low-priority decoding. When a waiting
-request finds no sequence slot or no blocks, the running request of the worst priority not yet scheduled this
-step, if worse than its own, is preempted for it (back to the queue, to be recomputed); when a running request
-finds no block, the worst running request not yet scheduled is preempted, as FCFS preempts the newest. With one
-owner and one priority the order is FCFS's.
+A request's rank is its `priority` (lower first, vLLM's semantics), then whether its owner (an API key's client
+id) is behind its fair share over the last seconds (engine/owner_shares.py): a behind owner's requests rank
+ahead of the others' of the same priority. Each step walks the candidates best first: by rank; within a rank,
+the owner that has been given the fewest of this step's tokens so far, so owners share the budget in turn; then
+running before waiting, then arrival. A running request gets its next chunk, a waiting one is admitted. A step
+that computes a prompt stops before any request of worse rank, so a better-ranked arrival's first token waits
+for no worse-ranked decoding; and an arrival that outranks the worst row of the step in flight stops that step
+at its next layer boundary (`outranks_step`, model/step_interrupt.py), so it does not wait for it either. When a
+waiting request finds no sequence slot or no blocks, the running request of the worst rank not yet scheduled
+this step, if worse than its own, is preempted for it (back to the queue, to be recomputed); when a running
+request finds no block, the worst running request not yet scheduled is preempted, as FCFS preempts the newest.
+With one owner and one priority the order is FCFS's.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from collections import defaultdict
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
+from llmaccel.engine.owner_shares import OwnerShares
 from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
+
+Rank = tuple[int, int]  # (priority, 0 when its owner is behind its fair share else 1): lower first
 
 
 def build_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager) -> Scheduler:
@@ -27,27 +33,45 @@ def build_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager) -> Schedu
     return PriorityScheduler(config, kv_cache) if config.policy == "priority" else Scheduler(config, kv_cache)
 
 
-def _rank(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
-
-
 class PriorityScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        super().__init__(config, kv_cache)
+        self.shares = OwnerShares()
+        # read by the server's thread at each arrival (outranks_step): replaced whole, never changed in place
+        self._step_worst: Rank | None = None  # the worst rank in the step in flight
+        self._ahead: frozenset[str] = frozenset()  # owners with requests that are not behind their share
+
+    def outranks_step(self, priority: int, owner: str) -> bool:
+        """Whether a request arriving now ranks ahead of a row of the step in flight (so that step should stop)."""
+        worst = self._step_worst
+        return worst is not None and (priority, int(owner in self._ahead)) < worst
+
     def schedule(self) -> SchedulerOutput:
+        active = {r.owner for r in self.running} | {r.owner for r in self.waiting}
+        behind = self.shares.behind(active)
+        self._ahead = frozenset(active - behind)
+
+        def rank(request: Request) -> Rank:
+            return request.priority, int(request.owner not in behind)
+
+        def order(request: Request) -> tuple[int, int, float]:
+            return *rank(request), request.arrival_time
+
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        unscheduled = sorted(self.running, key=_rank)  # running requests not yet given tokens this step
-        waiting = sorted(self.waiting, key=_rank)
+        unscheduled = sorted(self.running, key=order)  # running requests not yet given tokens this step
+        waiting = sorted(self.waiting, key=order)
         given: dict[str, int] = defaultdict(int)  # tokens of this step per owner
         in_flight: set[bytes] = set()
         admitting = True
-        prefilling: int | None = None  # the best priority whose prompt is computed this step
+        prefilling: Rank | None = None  # the best rank whose prompt is computed this step
         while budget > 0 and (unscheduled or (admitting and waiting)):
-            candidates = [(r.priority, given[r.owner], 0, r.arrival_time, r) for r in _heads(unscheduled)]
+            candidates = [(*rank(r), given[r.owner], 0, r.arrival_time, r) for r in _heads(unscheduled)]
             if admitting:
-                candidates += [(r.priority, given[r.owner], 1, r.arrival_time, r) for r in _heads(waiting)]
-            *_, request = min(candidates, key=lambda c: c[:4])
-            if prefilling is not None and request.priority > prefilling:
-                break  # a step that computes a prompt of better priority runs nothing worse: its first token is sooner
+                candidates += [(*rank(r), given[r.owner], 1, r.arrival_time, r) for r in _heads(waiting)]
+            *_, request = min(candidates, key=lambda c: c[:5])
+            if prefilling is not None and rank(request) > prefilling:
+                break  # a step that computes a prompt of better rank runs nothing worse: its first token is sooner
             if request.status is RequestStatus.RUNNING:
                 unscheduled.remove(request)
                 preempted = len(out.preempted)
@@ -67,8 +91,8 @@ class PriorityScheduler(Scheduler):
                 num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
                 while (len(self.running) >= self.max_num_seqs
                        or self.kv_cache.allocate_slots(request, num_new, cached) is None):
-                    if not unscheduled or unscheduled[-1].priority <= request.priority:
-                        admitting = False  # no one of worse priority to make room
+                    if not unscheduled or rank(unscheduled[-1]) <= rank(request):
+                        admitting = False  # no one of worse rank to make room
                         break
                     victim = unscheduled.pop()
                     self.running.remove(victim)
@@ -83,10 +107,19 @@ class PriorityScheduler(Scheduler):
                 self._admit(request, num_new, num_cached_tokens, out)
                 scheduled = out.scheduled[-1]
             if not request.output_token_ids:  # it computes (part of) its prompt
-                prefilling = request.priority if prefilling is None else min(prefilling, request.priority)
+                prefilling = rank(request) if prefilling is None else min(prefilling, rank(request))
             given[request.owner] += scheduled.num_new_tokens + scheduled.num_draft_slots
             budget -= scheduled.num_new_tokens + scheduled.num_draft_slots
+        self._step_worst = max((rank(s.request) for s in out.scheduled), default=None)
         return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               failed: dict[str, BaseException] | None = None) -> list[Request]:
+        served: dict[str, int] = defaultdict(int)
+        for item in output.scheduled:
+            served[item.request.owner] += item.num_new_tokens + item.num_draft_slots
+        self.shares.record(served)
+        return super().update(output, sampled, failed)
 
 
 def _heads(requests: list[Request]) -> list[Request]:

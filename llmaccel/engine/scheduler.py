@@ -75,6 +75,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def outranks_step(self, priority: int, owner: str) -> bool:
+        """Whether a request arriving now should stop the step in flight: never under FCFS (the priority policy's
+        answer is in engine/priority_scheduling.py)."""
+        return False
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

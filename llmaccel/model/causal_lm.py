@@ -20,6 +20,7 @@ from llmaccel.errors import CorruptCheckpointError
 from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear, weight_bytes
 from llmaccel.model.spec import ModelSpec
+from llmaccel.model.step_interrupt import StepInterrupt
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
 from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
@@ -218,19 +219,22 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], taps: LayerTaps | None = None
-                ) -> torch.Tensor | None:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], taps: LayerTaps | None = None,
+                interrupt: StepInterrupt | None = None) -> torch.Tensor | None:
         """The final normed hidden states, [tokens, hidden]. `taps` read the stream after chosen layers
         (the decode stack, which keeps it inside C++, is then not used); with `taps.stop` the pass ends
-        after the last of them and returns None."""
+        after the last of them and returns None. `interrupt`: raised by another thread, the pass stops at the
+        next layer boundary with StepInterrupted (model/step_interrupt.py)."""
         if self.decode_stack is not None and taps is None:
-            normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches)
+            normed = self.decode_stack.decode(self, input_ids, positions, meta, kv_caches, interrupt)
             if normed is not None:
                 return normed
         if taps is not None and taps.last >= len(self.layers):
             raise ValueError(f"layer {taps.last} tapped, but the model has {len(self.layers)} layers")
         hidden, residual = self.embed(input_ids, positions), None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if interrupt is not None:
+                interrupt.check()
             hidden, residual = layer(hidden, residual, positions, self.rotary, self.attention, kv_cache, meta)
             if taps is not None and i in taps.layers:
                 taps.take(hidden, residual)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmaccel.model.layers import Linear
+from llmaccel.model.step_interrupt import StepInterrupt, StepInterrupted
 from llmaccel.model.weight_arena import WeightArena
 from llmaccel.ops.cpu_kernels import load_cpu_kernels
 from llmaccel.ops.gemv import gemv_kernels
@@ -85,8 +86,10 @@ class DecodeStack:
         self.lora = True
 
     def decode(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The final norm's output for a decode-only step, or None where the step is not one it takes."""
+               meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               interrupt: StepInterrupt | None = None) -> torch.Tensor | None:
+        """The final norm's output for a decode-only step, or None where the step is not one it takes.
+        Raises StepInterrupted when `interrupt` was raised during the step (checked after every layer)."""
         rows = input_ids.shape[0]
         if meta.prefills or meta.num_decode_tokens != rows or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return None
@@ -96,9 +99,13 @@ class DecodeStack:
             return None
         hidden = model.embed(input_ids, positions).to(self.dtype)
         kernel = "stream" if self.choice is None else self.choice.kernel(rows)
-        return self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin, [kv[0] for kv in kv_caches],
-                                  [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, meta.block_size, kernel, meta.decode_kv_first, lora_slots)
+        normed = self.stack.forward(hidden, positions, model.rotary.cos, model.rotary.sin,
+                                    [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
+                                    meta.decode_block_tables, meta.decode_context_lens, meta.block_size, kernel,
+                                    meta.decode_kv_first, lora_slots, None if interrupt is None else interrupt.flag)
+        if normed.shape[0] != rows:  # it stopped after a layer: the interrupt was raised
+            raise StepInterrupted
+        return normed
 
 
 def _layer_extras(layer: nn.Module) -> dict:

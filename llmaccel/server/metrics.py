@@ -63,6 +63,8 @@ class ServerMetrics:
         self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by endpoint and status code.",
                                 ["endpoint", "status"], registry=r)
         self.preemptions = Counter(PREFIX + "preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.interrupted_steps = Counter(PREFIX + "interrupted_steps", "Steps stopped between layers for an arriving "
+                                         "request that outranks them (--scheduling-policy priority).", registry=r)
         self.aborted = Counter(PREFIX + "aborted_requests", "Requests aborted because the client went away.",
                                registry=r)
         self.timed_out = Counter(PREFIX + "timed_out_requests", "Requests aborted at --request-timeout.",
@@ -163,6 +165,9 @@ class ServerMetrics:
 
     def observe_step(self, step: StepStats, seconds: float, preemptions: int) -> None:
         """Called from the engine thread after every step (prometheus-client is thread-safe)."""
+        if step.interrupted:  # its time and rows were spent on nothing: counted apart
+            self.interrupted_steps.inc()
+            return
         self.step_batch_size.observe(step.num_seqs)
         self.step_tokens.observe(step.num_tokens)
         self.step_duration.observe(seconds)

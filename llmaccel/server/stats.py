@@ -152,6 +152,7 @@ class DashboardStats:
             "totals": {"requests_finished": total(s, P + "e2e_request_latency_seconds_count"),
                        "generation_tokens": total(s, P + "generation_tokens_total"),
                        "preemptions": total(s, P + "preemptions_total"),
+                       "interrupted_steps": total(s, P + "interrupted_steps_total"),
                        "rejected": by_label(s, P + "rejected_requests_total", "reason"),
                        "rate_limited": by_label(s, P + "rate_limited_requests_total", "limit"),
                        "aborted": total(s, P + "aborted_requests_total"),

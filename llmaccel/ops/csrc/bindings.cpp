@@ -79,7 +79,8 @@ static void bind_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStackHandle::forward, py::arg("hidden"), py::arg("positions"), py::arg("cos"),
            py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"),
            py::arg("context_lens"), py::arg("block_size"), py::arg("bf16_kernel"), py::arg("kv_first"),
-           py::arg("lora_slots") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("lora_slots") = py::none(), py::arg("stop") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_lora", &DecodeStackHandle::set_lora,
            "LoRA adapters for layer `layer`'s projection `index` (0 qkv, 1 o, 2 gate_up, 3 down): lora/layers.py's "
            "stacked a and b_t, held as they are", py::arg("layer"), py::arg("index"), py::arg("a"), py::arg("b_t"),

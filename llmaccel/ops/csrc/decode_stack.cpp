@@ -381,13 +381,22 @@ class DecodeStack {
   // onednn (see Bf16Kernel; float32 and integer weights ignore it). `kv_first`: every row's K/V is written
   // before any row attends, so rows of one sequence at successive positions (speculative decoding's
   // verification) see each other. `lora_slots` (int64 [S], -1 for none): each row's LoRA adapter slot (set_lora).
+  // `stop` (int32 [1]): another thread sets it non-zero to end the step after the layer in flight (a request
+  // that must not wait for this step: model/step_interrupt.py); the step then returns [0, H].
   // Returns the final norm's output [S, H].
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                         const std::string& bf16_kernel, bool kv_first,
-                        const c10::optional<torch::Tensor>& lora_slots) const {
+                        const c10::optional<torch::Tensor>& lora_slots,
+                        const c10::optional<torch::Tensor>& stop) const {
     check_step(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size);
+    const int32_t* stop_flag = nullptr;
+    if (stop.has_value()) {
+      TORCH_CHECK(stop->scalar_type() == torch::kInt32 && stop->numel() == 1 && stop->device().is_cpu(),
+                  "stop must be one int32 on the CPU");
+      stop_flag = stop->data_ptr<int32_t>();
+    }
     std::vector<int64_t> adapter_rows;  // the rows with an adapter (lora.h)
     const int64_t* row_slots = nullptr;
     if (lora_slots.has_value()) {
@@ -413,9 +422,9 @@ class DecodeStack {
     }
     if (dtype_ == torch::kFloat32)
       return run<float>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens, block_size,
-                        Bf16Kernel::kStream, kv_first, lora);
+                        Bf16Kernel::kStream, kv_first, lora, stop_flag);
     return run<at::BFloat16>(hidden, positions, cos, sin, k_caches, v_caches, slots, block_tables, context_lens,
-                             block_size, kernel, kv_first, lora);
+                             block_size, kernel, kv_first, lora, stop_flag);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -435,8 +444,13 @@ class DecodeStack {
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
                     const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                    Bf16Kernel kernel, bool kv_first, const StepLoRA& lora) const {
+                    Bf16Kernel kernel, bool kv_first, const StepLoRA& lora, const int32_t* stop_flag) const {
     const int64_t seqs = hidden.size(0);
+    // read by one thread at the end of each layer; every thread then leaves at the same layer boundary
+    auto stop_asked = [stop_flag] {
+      return stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0;
+    };
+    bool stopped = false;
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
     const bool int8_kv = k_caches.front().scalar_type() == torch::kInt8;
     const int64_t qkv_n = q_size + 2 * kv_size, inter = layers_.front().gate_up->n / 2;
@@ -642,16 +656,18 @@ class DecodeStack {
             activate(layer, gu + r * 2 * inter + c0, gu + r * 2 * inter + inter + c0, act_p + r * inter + c0, c1 - c0);
 #pragma omp barrier
           project(tid, threads, input, *layer.down, act_p, add, layer.lora[3]);
+          if (tid == 0) stopped = stop_asked();  // seen by all after the barrier
 #pragma omp barrier
           if (layer.post_mlp_norm.defined()) {
             norm_in_place(tid, threads, layer.post_mlp_norm);
 #pragma omp barrier
           }
+          if (stopped) break;
         }
-        norm_rows(tid, threads, final_norm_, false);
+        if (!stopped) norm_rows(tid, threads, final_norm_, false);
         if (uses_amx(kernel)) vnni_release();
       }
-      return normed;
+      return stopped ? normed.narrow(0, 0, 0) : normed;
     }
 
     auto in_parallel = [&](auto phase) {
@@ -703,6 +719,7 @@ class DecodeStack {
       add = down_out.data_ptr<T>();
       if (layer.post_mlp_norm.defined())
         in_parallel([&](int tid, int threads) { norm_in_place(tid, threads, layer.post_mlp_norm); });
+      if (stop_asked()) return normed.narrow(0, 0, 0);
     }
     in_parallel([&](int tid, int threads) { norm_rows(tid, threads, final_norm_, false); });
     return normed;
@@ -822,9 +839,10 @@ torch::Tensor DecodeStackHandle::forward(torch::Tensor hidden, torch::Tensor pos
                                          std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                          const std::string& bf16_kernel, bool kv_first,
-                                         c10::optional<torch::Tensor> lora_slots) const {
+                                         c10::optional<torch::Tensor> lora_slots,
+                                         c10::optional<torch::Tensor> stop) const {
   return stack_->forward(hidden, positions, cos, sin, std::move(k_caches), std::move(v_caches), slots, block_tables,
-                         context_lens, block_size, bf16_kernel, kv_first, lora_slots);
+                         context_lens, block_size, bf16_kernel, kv_first, lora_slots, stop);
 }
 
 void DecodeStackHandle::set_lora(int64_t layer, int64_t index, torch::Tensor a, torch::Tensor b_t, int64_t share,

@@ -39,7 +39,7 @@ class DecodeStackHandle {
                         std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots,
                         at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
                         const std::string& bf16_kernel, bool kv_first,
-                        c10::optional<at::Tensor> lora_slots) const;
+                        c10::optional<at::Tensor> lora_slots, c10::optional<at::Tensor> stop) const;
   void set_lora(int64_t layer, int64_t index, at::Tensor a, at::Tensor b_t, int64_t share, at::Tensor part_columns);
   int64_t num_layers() const;
 

@@ -17,12 +17,15 @@ from llmaccel.ops.attention import AttentionMetadata, PrefillSpan
 @dataclass
 class Span:
     """Tokens of one sequence to run at positions start.. (its blocks allocated). `as_rows`: each token is
-    a decode query of its own (the decode kernels; successive rows see each other), else one causal chunk."""
+    a decode query of its own (the decode kernels; successive rows see each other), else one causal chunk.
+    `drafted`: the tokens after the first are drafts to verify (every row is sampled), else only the last row of a
+    span that reaches its request's last token is."""
 
     request: Request
     start: int
     token_ids: list[int]
     as_rows: bool = False
+    drafted: bool = False
 
 
 def in_row_order(spans: list[Span]) -> list[Span]:

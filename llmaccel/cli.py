@@ -120,6 +120,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "places in the cache (StreamingLLM) against in the text, beside the window read afresh", "add_arguments", "run"),
     ("priority", "priority", "a high-priority request's TTFT behind a queue of low-priority ones, and a light API "
      "key's beside a heavy key's 10x flood: --scheduling-policy priority against fcfs", "add_arguments", "run"),
+    ("invariance", "invariance", "whether a greedy answer changes with the load (alone, batches of 2/16/64, chunked "
+     "prefill, a warm prefix cache) in the default mode and with --batch-invariant, and what the mode costs",
+     "add_arguments", "run"),
     ("lora", "lora", "many LoRA adapters in one batch: output tok/s of 64 requests spread over 8 adapters (and on "
      "one) against the base model alone, alternating rounds in one engine", "add_arguments", "run"),
     ("bf16-layouts", "bf16_layouts", "the plain and the compact (12 bits a weight, lossless) bf16 layouts' kernels "

@@ -60,6 +60,9 @@ class ModelConfig:
     quantize_embedding: bool = False  # hold the embedding and LM head in INT8 too (one copy when tied);
     # with "gguf", the file's own Q8_0 table
     rope_scaling: dict | None = None  # replaces the config's RoPE scaling, e.g. {"rope_type": "yarn", "factor": 4}
+    # every projection sums each row in one order whatever the rows beside it (bf16: the ordered kernels,
+    # ops/kernel_choice.py), so a greedy answer does not change with the load
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -74,6 +77,11 @@ class ModelConfig:
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError("--batch-invariant runs on llmaccel's CPU kernels; it is not built for CUDA yet")
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError(f"--batch-invariant covers bfloat16 and float32 weights; --quantization "
+                             f"{self.quantization}'s kernels are not batch-invariant yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:

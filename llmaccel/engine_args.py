@@ -27,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hold the embedding and LM head in INT8 too, one copy when tied (with --quantization "
                              "gguf a file's quantized tables are used as they are); saves most of a small model's "
                              "remaining float weights")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the same greedy answer at any load: every bf16 projection (and the LM head) runs a "
+                             "kernel that sums each row in one fixed order whatever rows share the step (the vnni "
+                             "layout's ordered kernels; needs AVX512-BF16 for bfloat16); see docs/benchmarks.md")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -116,6 +120,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
+                   batch_invariant=args.batch_invariant,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                    kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_positions=args.kv_positions,
                    kv_cache_dtype=args.kv_cache_dtype,

@@ -60,6 +60,10 @@ class ModelRunner:
         self.overlap_masks = device.type != "cpu"
         self.guard: GuardStage | None = None  # the semantic input guard (engine/guard_stage.py), when on
         self.loras: LoRAManager | None = None  # the LoRA adapters beside the model (set by the engine), when on
+        # --batch-invariant: prompt chunks run as decode rows too (the decode attention kernel, every row over its
+        # whole context in one order), so a token's KV and logits do not depend on how its prompt was chunked or
+        # how much of it the prefix cache held
+        self.chunks_as_rows = False
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The zeroed KV pool. On the CPU it is one anonymous mmap: the OS zero-fills its pages on first
@@ -119,9 +123,10 @@ class ModelRunner:
             request, start = item.request, item.request.num_computed_tokens
             if item.num_new_tokens == 1:
                 spans.append(Span(request, start, [request.all_token_ids[start], *drafts.get(request.request_id, ())],
-                                  as_rows=True))
-            else:
-                spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens]))
+                                  as_rows=True, drafted=True))
+            else:  # with chunks_as_rows, every prompt token is a decode query of its own as well
+                spans.append(Span(request, start, request.all_token_ids[start:start + item.num_new_tokens],
+                                  as_rows=self.chunks_as_rows))
         by_request = {item.request.request_id: item for item in output.scheduled}
         masks = self._start_masks(output, drafts)
         spans = in_row_order(spans)
@@ -151,7 +156,7 @@ class ModelRunner:
             if span.request.params.pooling is not None:
                 continue  # an embedding request: pooled, never sampled
             if by_request[span.request.request_id].samples:
-                count = len(span.token_ids) if span.as_rows else 1
+                count = len(span.token_ids) if span.drafted else 1
                 sampled_spans.append((span, len(sample_rows)))
                 sample_rows.extend(range(end - count, end))
         if not sampled_spans:
@@ -168,7 +173,7 @@ class ModelRunner:
             failed.update(dict.fromkeys(mask_rows, exc))
         for span, first in sampled_spans:  # a row that cannot be built fails its request alone
             request = span.request
-            proposal = span.token_ids[1:] if span.as_rows else []
+            proposal = span.token_ids[1:] if span.drafted else []
             if request.request_id in failed:
                 continue
             try:
@@ -188,7 +193,7 @@ class ModelRunner:
         sampled: dict[str, list[Sampled]] = {}
         for span, first in owners:
             request = span.request
-            count = len(span.token_ids) if span.as_rows else 1
+            count = len(span.token_ids) if span.drafted else 1
             indices = range(first, first + count)
             errors = [row_failures[i] for i in indices if i in row_failures]
             if errors:

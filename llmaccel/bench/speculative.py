@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-max-batch", type=int,
                         help="fix the policy's batch limit (default: the measured policy, as served)")
     parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="every engine with --batch-invariant (a verify step's rows then round as lone ones)")
     parser.add_argument("--result-json", type=Path, help="write the figures and the machine here")
 
 
@@ -103,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                                                   **common)
     if not args.no_ngram:
         variants["ngram"] = dict(speculative_method="ngram", **common)
-    engines = {label: LLM(args.model, dtype=args.dtype, **options) for label, options in variants.items()}
+    engines = {label: LLM(args.model, dtype=args.dtype, batch_invariant=args.batch_invariant, **options)
+               for label, options in variants.items()}
     chosen = workloads([w.strip() for w in args.workloads.split(",")], args.batch_size, args.copy_paragraphs)
     rates: dict[tuple[str, str], list[float]] = {}
     identical: dict[tuple[str, str], bool] = {}

@@ -85,6 +85,8 @@ class LLMEngine:
                                                  config.model.quant_group_size, config.model.quantize_embedding))
         if config.model.rope_scaling is not None:
             self.variant += f"|rope={json.dumps(config.model.rope_scaling, sort_keys=True)}"
+        if config.model.batch_invariant:  # other kernels: other roundings
+            self.variant += "|batch-invariant"
         if self.kv_dtype != self.dtype:  # a quantized KV cache changes the numerics too
             self.variant += f"|kv={str(self.kv_dtype).removeprefix('torch.')}"
         reindexed = reindexes_sinks(config, window, sinks)
@@ -96,6 +98,7 @@ class LLMEngine:
         self.scheduler = build_scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.kv_dtype, self.device)
         self.runner.loras = self.loras
+        self.runner.chunks_as_rows = config.model.batch_invariant
         self.kv_cache.turn_sink_keys = self.runner.turn_sink_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner.grammars = self.grammars

@@ -125,7 +125,8 @@ def load_model(config: EngineConfig, checkpoint: LoadedCheckpoint, dtype: torch.
     model = model_class(spec.architecture)(
         spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
         use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
-        prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables)
+        prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables,
+        batch_invariant=config.model.batch_invariant)
     return model, saved is not None
 
 

@@ -142,12 +142,15 @@ class CausalLM(nn.Module):
                  device: torch.device, max_positions: int, use_kernel: bool | None = None,
                  quantization: str | None = None, group_size: int | None = None,
                  prequantized: Mapping[str, Ready | None] | None = None,
-                 quantize_embedding: bool = False, tables: Callable[[str], nn.Module | None] | None = None) -> None:
+                 quantize_embedding: bool = False, tables: Callable[[str], nn.Module | None] | None = None,
+                 batch_invariant: bool = False) -> None:
         """`quantization` (int8 / int4) applies to every decoder linear layer. The embedding and the LM
         head stay in `dtype` (mixed precision, as weight-only schemes recommend) unless
         `quantize_embedding`: then they are INT8 per row, and a tied pair shares one INT8 copy.
         `prequantized` gives ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved
-        quantized checkpoint's), used as they are where present; `tables` the file's own embedding lookups."""
+        quantized checkpoint's), used as they are where present; `tables` the file's own embedding lookups.
+        `batch_invariant`: the bf16 projections and head run only the kernels that sum a row in one order at any
+        row count (ops/kernel_choice.py)."""
         super().__init__()
         self.spec = spec
         take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized, tables)
@@ -159,7 +162,7 @@ class CausalLM(nn.Module):
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
                                         scale=spec.attention_scale, softcap=spec.attn_softcap)
         if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
-            choose_bf16_kernels(self)
+            choose_bf16_kernels(self, batch_invariant)
             choose_quantized_kernels(self)
         self.decode_stack = None
         if self.uses_decode_stack and device.type == "cpu" and use_kernel is not False:
@@ -274,10 +277,11 @@ def _streamed_layers(model: CausalLM) -> list[nn.Module]:
     return chosen
 
 
-def choose_bf16_kernels(model: CausalLM) -> None:
+def choose_bf16_kernels(model: CausalLM, invariant: bool = False) -> None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
     plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
-    (ops/kernel_choice.py). A tied embedding table is the head's weight: it reads its rows in that layout."""
+    (ops/kernel_choice.py); `invariant`: among the batch-invariant kernels only. A tied embedding table is the
+    head's weight: it reads its rows in that layout."""
     modules = tuple(model.layers[0].projections)
     plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
     head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.weight is not None else None
@@ -288,7 +292,7 @@ def choose_bf16_kernels(model: CausalLM) -> None:
     every = ([m.weight for m in _streamed_layers(model) if isinstance(m, Linear) and m.weight is not None]
              if plain else [])
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
-                                           head.weight if head is not None else None, every)
+                                           head.weight if head is not None else None, every, invariant)
     if layers_choice is not None:
         for m in _all_projections(model):
             m.set_bf16_choice(layers_choice)

@@ -8,7 +8,9 @@ The model holds one copy of each bf16 weight, in one of two layouts, each with i
   stack's phases);
 - `vnni` (csrc/linear_vnni.cpp: blocks of 32 columns of input pairs, the layout AMX tiles read):
   `vnni_stream` (few rows) and `brgemm` (oneDNN's AMX micro-kernel inside llmaccel's own threads),
-  where torch's brgemm can pack bf16 (an AMX CPU);
+  where torch's brgemm can pack bf16 (an AMX CPU); and on any AVX512-BF16 CPU `ordered_stream` and
+  `ordered_gemm`, which sum every output in the plain `gemm`'s order, so a row's bits do not depend on the
+  rows beside it or on which of the two runs it: --batch-invariant times these two only (issue 50);
 - `compact` (csrc/bf16_compact.cpp: 12 bits a weight, lossless): `compact_stream` and `compact_gemm`, the
   plain kernels' sums to the bit from 0.75 of the bytes, where AVX512-BF16 was compiled. Chosen within
   COMPACT_TOLERANCE of the fastest layout: it also holds the model in 0.75 of the memory.
@@ -61,13 +63,18 @@ STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads ev
 # shape's layer: 1.0-1.3x the plain kernels' time on a Zen 4) and wins from memory, as a step reads.
 DECODE_ROWS = 16
 MAX_RELATIVE_ERROR = 2e-2  # bf16 outputs carry ~4e-3; a wrong kernel is off by far more
-PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout
+PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout with AMX's help
+# the vnni layout's kernels on any AVX512-BF16 CPU, both summing in the plain `gemm` kernel's order: a row's output
+# does not depend on the rows beside it or on which of them runs it (--batch-invariant runs only these)
+ORDERED_KERNELS = ("ordered_stream", "ordered_gemm")
 COMPACT_KERNELS = ("compact_stream", "compact_gemm")  # the kernels that read the compact layout; the rest plain
 
 
 def kernel_layout(kernel: str) -> str:
     """The weight layout a kernel reads: plain, vnni or compact."""
-    return "vnni" if kernel in PACKED_KERNELS else "compact" if kernel in COMPACT_KERNELS else "plain"
+    if kernel in PACKED_KERNELS or kernel in ORDERED_KERNELS:
+        return "vnni"
+    return "compact" if kernel in COMPACT_KERNELS else "plain"
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,7 @@ def candidates() -> tuple[str, ...]:
     gemm = hasattr(kernels, "gemm_bf16_available") and kernels.gemm_bf16_available()
     packed = PACKED_KERNELS if hasattr(kernels, "vnni_available") and kernels.vnni_available() else ()
     compact = COMPACT_KERNELS if compact_available() else ()
-    return ("stream", "gemm", "onednn", *packed, *compact) if gemm else ("stream", "onednn", *packed)
+    return ("stream", "gemm", "onednn", *packed, *ORDERED_KERNELS, *compact) if gemm else ("stream", "onednn", *packed)
 
 
 def compact_available() -> bool:
@@ -176,7 +183,7 @@ def layout_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
 def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """x @ weight.T in x's dtype by the named kernel (no bias): `weight` in the kernel's layout (packed
     for vnni_stream and brgemm, which also need the output count `n`)."""
-    if kernel in PACKED_KERNELS:
+    if kernel in PACKED_KERNELS or kernel in ORDERED_KERNELS:
         return load_cpu_kernels().linear_vnni(x, weight, n, kernel)
     if kernel in COMPACT_KERNELS:
         return load_cpu_kernels().linear_bf16_compact(x, weight, kernel == "compact_gemm").to(x.dtype)
@@ -294,11 +301,11 @@ def pick_layout(seconds: dict[str, list[float]], buckets: int) -> str:
     return layout
 
 
-def _cache_path(shapes: list[tuple[int, ...]], kind: str) -> Path:
-    """Where a timing is cached: per machine, torch, kernel build, weight kind and shapes."""
+def _cache_path(shapes: list[tuple[int, ...]], kind: str, offered: tuple[str, ...] = ()) -> Path:
+    """Where a timing is cached: per machine, torch, kernel build, weight kind, shapes and the kernels timed."""
     kernels = load_cpu_kernels()
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
-                      kernels_id(kernels), shapes, LAYER_BUCKETS, DECODE_ROWS, "layouts-compact"])
+                      kernels_id(kernels), shapes, LAYER_BUCKETS, DECODE_ROWS, "layouts-compact", sorted(offered)])
     return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -404,26 +411,43 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
 
 
 def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
-              model_weights: list[torch.Tensor] | None = None) -> tuple[Bf16Choice | None, Bf16Choice | None]:
+              model_weights: list[torch.Tensor] | None = None,
+              invariant: bool = False) -> tuple[Bf16Choice | None, Bf16Choice | None]:
     """(the layers' choice, the LM head's) for these bf16 weights (a layer's projections, or none; the
-    head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed."""
+    head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed.
+    `invariant`: among ORDERED_KERNELS only (--batch-invariant); ValueError where this machine has none."""
     forced = forced_choice()
+    if invariant and not set(ORDERED_KERNELS) <= set(candidates()):
+        raise ValueError("--batch-invariant in bfloat16 runs the ordered kernels, which need AVX512-BF16; this CPU "
+                         "lacks it: use --dtype float32")
     if forced is not None:
+        if invariant and forced.buckets[0][1] not in ORDERED_KERNELS:
+            raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
+                             f"force one of {', '.join(ORDERED_KERNELS)}")
         return forced if layer_weights else None, forced if head is not None else None
-    wanted = os.environ.get(LAYOUT_ENV) or None
-    offered = [k for k in candidates() if wanted is None or kernel_layout(k) == wanted]
+    wanted = "vnni" if invariant else os.environ.get(LAYOUT_ENV) or None
+    # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
+    # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
+    # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)
+    def offered_here(kernel: str) -> bool:
+        if invariant:
+            return kernel in ORDERED_KERNELS
+        return kernel_layout(kernel) == wanted if wanted is not None else kernel not in ORDERED_KERNELS
+
+    offered = [k for k in candidates() if offered_here(k)]
     if not offered:
         layouts = sorted({kernel_layout(k) for k in candidates()})
         raise ValueError(f"${LAYOUT_ENV}={wanted!r} is not a bf16 layout this machine has kernels for: "
                          f"{', '.join(layouts)}")
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
     kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"
-    path = _cache_path(shapes, kind if wanted is None else f"{kind}-{wanted}")
+    path = _cache_path(shapes, "invariant-" + kind if invariant else kind if wanted is None else f"{kind}-{wanted}",
+                       tuple(offered))
 
     def usable(weights: list[_Weight]) -> tuple[str, ...]:
         kernels = []
         for kernel in offered:
-            if kernel in PACKED_KERNELS and not all(packable(w.plain) for w in weights):
+            if kernel_layout(kernel) == "vnni" and not all(packable(w.plain) for w in weights):
                 continue
             if kernel in COMPACT_KERNELS and not all(w.fits("compact") for w in weights):
                 continue

@@ -230,9 +230,13 @@ inline std::pair<int64_t, int64_t> share(int64_t units, int tid, int threads) {
 // oneDNN's brgemm micro-kernel (AMX). ops/kernel_choice.py times them and picks per row count.
 // INT8/INT4/K-quant weights stream (kStream) or, in a bfloat16 stack, are dequantized a block at a time for
 // AMX tiles (kDequantAmx, quant_amx.cpp).
-enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm, kDequantAmx };
+// kOrderedStream and kOrderedGemm read packed weights in the bf16 GEMM's order (--batch-invariant).
+enum class Bf16Kernel { kStream, kGemm, kOneDnn, kVnniStream, kBrgemm, kDequantAmx, kOrderedStream, kOrderedGemm };
 
-bool reads_packed(Bf16Kernel kernel) { return kernel == Bf16Kernel::kVnniStream || kernel == Bf16Kernel::kBrgemm; }
+bool reads_packed(Bf16Kernel kernel) {
+  return kernel == Bf16Kernel::kVnniStream || kernel == Bf16Kernel::kBrgemm || kernel == Bf16Kernel::kOrderedStream ||
+         kernel == Bf16Kernel::kOrderedGemm;
+}
 bool uses_amx(Bf16Kernel kernel) { return kernel == Bf16Kernel::kBrgemm || kernel == Bf16Kernel::kDequantAmx; }
 
 // The columns a thread's share of a projection is counted in: a block of 32 where the kernel works in
@@ -252,12 +256,16 @@ Bf16Kernel parse_bf16_kernel(const std::string& name) {
     TORCH_CHECK(quant_amx_compiled(), "the AMX kernel for quantized weights is not available on this CPU or build");
     return Bf16Kernel::kDequantAmx;
   }
+  if (name == "ordered_stream" || name == "ordered_gemm") {
+    TORCH_CHECK(bf16_gemm_compiled(), "the ordered bfloat16 kernels need AVX512-BF16");
+    return name == "ordered_gemm" ? Bf16Kernel::kOrderedGemm : Bf16Kernel::kOrderedStream;
+  }
   if (name == "vnni_stream" || name == "brgemm") {
     TORCH_CHECK(vnni_compiled(), "the AMX kernels are not available on this CPU");
     return name == "brgemm" ? Bf16Kernel::kBrgemm : Bf16Kernel::kVnniStream;
   }
   TORCH_CHECK(name == "onednn", "unknown bfloat16 kernel '", name,
-              "' (stream, gemm, onednn, vnni_stream, brgemm or dequant_amx)");
+              "' (stream, gemm, onednn, vnni_stream, brgemm, ordered_stream, ordered_gemm or dequant_amx)");
   return Bf16Kernel::kOneDnn;
 }
 
@@ -273,7 +281,8 @@ struct ProjectionInput {
 
   void prepare(const StackLinear& w, const T* x, int64_t m, Bf16Kernel kernel) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (kernel == Bf16Kernel::kGemm && (w.kind == StackLinear::kBf16 || w.kind == StackLinear::kBf16Compact))
+      if ((kernel == Bf16Kernel::kGemm && (w.kind == StackLinear::kBf16 || w.kind == StackLinear::kBf16Compact)) ||
+          (kernel == Bf16Kernel::kOrderedGemm && w.kind == StackLinear::kBf16Vnni))
         return pack_pairs(x, w.k, m, w.k, pairs);
       if (w.kind == StackLinear::kBf16Vnni || (w.amx_readable() && kernel == Bf16Kernel::kDequantAmx)) {
         // the packed kernels and the dequantizing one read the rows as they are
@@ -512,6 +521,10 @@ class DecodeStack {
           const auto* packed = reinterpret_cast<const uint16_t*>(w.weight.data_ptr<at::BFloat16>());
           if (kernel == Bf16Kernel::kBrgemm)
             vnni_brgemm_columns(input.bits, w.k, seqs, w.k, packed, y, ldy, c0, c1);
+          else if (kernel == Bf16Kernel::kOrderedGemm)
+            bf16_gemm_vnni_columns(input.pairs.data(), seqs, packed, w.k, y, ldy, c0, c1);
+          else if (kernel == Bf16Kernel::kOrderedStream)
+            vnni_ordered_columns(input.bits, w.k, seqs, w.k, packed, y, ldy, c0, c1);
           else
             vnni_stream_columns(input.bits, w.k, seqs, w.k, packed, y, ldy, c0, c1);
         }

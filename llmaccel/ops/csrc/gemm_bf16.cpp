@@ -11,7 +11,8 @@
 // start). With a step's weights coming from memory it ran 3-6% faster than the 32 x 8 tile it replaced,
 // which read each weight twice at 64 rows (measured on a Zen 4 with 30 layers' distinct weights). Every output sums
 // its pairs in order p = 0, 1, ..., so a row's result does not depend on the tile, the thread or the
-// rows beside it.
+// rows beside it; the same GEMM reads the vnni layout too (bf16_gemm_vnni_columns), and linear_vnni.cpp's
+// ordered_stream sums a few rows in this order, so --batch-invariant runs the two (ops/kernel_choice.py).
 #include "aten.h"
 #include <ATen/Parallel.h>
 
@@ -40,14 +41,20 @@ struct Ahead {
 // With `prefetch`, the next NR weight rows are requested a line at a time as these are read: the model's
 // weights come from memory once a step, and waiting on them cost a quarter of the GEMM's time
 // (45 against 34 ms for the default model's layers at 64 rows, measured cold against hot).
-template <int MV, int NR>
+// `Vnni`: the weights in the vnni layout (linear_vnni.cpp: blocks of 32 columns, [K / 2, 32, 2]), where a
+// column's pair p lies 32 pairs after its pair p - 1 rather than next to it; the sums are the same.
+template <int MV, int NR, bool Vnni = false>
 inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t k, int64_t n0, int64_t m0,
                  int64_t rows, bf16* y, int64_t ldy, bool prefetch, const Ahead& ahead) {
   __m512 acc[MV][NR];
   for (int i = 0; i < MV; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  constexpr int64_t stride = Vnni ? kVnniBlock : 1;  // pairs from one of a column's pairs to the next
   const uint32_t* wr[NR];
-  for (int j = 0; j < NR; ++j) wr[j] = reinterpret_cast<const uint32_t*>(w + (n0 + j) * k);
+  for (int j = 0; j < NR; ++j)
+    wr[j] = Vnni ? reinterpret_cast<const uint32_t*>(w) + (n0 + j) / kVnniBlock * (k / 2 * kVnniBlock) +
+                       (n0 + j) % kVnniBlock
+                 : reinterpret_cast<const uint32_t*>(w + (n0 + j) * k);
   const uint32_t* a = packed + m0;
   const char* next = reinterpret_cast<const char*>(w + (n0 + NR) * k);
   for (int64_t p = 0; p < k / 2; ++p, a += mp) {
@@ -58,7 +65,7 @@ inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t 
     __m512bh x[MV];
     for (int i = 0; i < MV; ++i) x[i] = (__m512bh)_mm512_loadu_si512(a + 16 * i);
     for (int j = 0; j < NR; ++j) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(wr[j][p]));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(wr[j][p * stride]));
       for (int i = 0; i < MV; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x[i], b);
     }
   }
@@ -77,21 +84,22 @@ inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t 
 
 // Columns [n0, n0 + NR) for every row: 64-row tiles, then one of 32 and one of 16 for the rest (a tile
 // reaches at most packed_rows(m)).
-template <int NR>
+template <int NR, bool Vnni = false>
 inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, int64_t n0, bf16* y,
                          int64_t ldy, bool prefetch, const Ahead& ahead) {
   const int64_t mp = packed_rows(m);
   const Ahead none;
   int64_t m0 = 0;
   for (; m0 + 48 < m; m0 += 64)
-    tile<4, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(64, m - m0), y, ldy, prefetch && m0 == 0,
-                m0 == 0 ? ahead : none);
+    tile<4, NR, Vnni>(packed, mp, w, k, n0, m0, std::min<int64_t>(64, m - m0), y, ldy, prefetch && m0 == 0,
+                      m0 == 0 ? ahead : none);
   if (m0 + 16 < m) {
-    tile<2, NR>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0,
-                m0 == 0 ? ahead : none);
+    tile<2, NR, Vnni>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0,
+                      m0 == 0 ? ahead : none);
     m0 += 32;
   }
-  if (m0 < m) tile<1, NR>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0, m0 == 0 ? ahead : none);
+  if (m0 < m)
+    tile<1, NR, Vnni>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0, m0 == 0 ? ahead : none);
 }
 
 }  // namespace
@@ -117,6 +125,13 @@ LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, cons
     column_block<kTileCols>(packed, m, w, k, n, y, ldy, ahead == nullptr && n + 2 * kTileCols <= n1, ahead_of(n));
   for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false, Ahead());
 }
+
+LLMACCEL_ONE_COPY void bf16_gemm_vnni_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k,
+                                              bf16* y, int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;  // (n0 a multiple of 4: a tile's columns never straddle two blocks of 32)
+  for (; n + kTileCols <= n1; n += kTileCols) column_block<kTileCols, true>(packed, m, w, k, n, y, ldy, false, Ahead());
+  for (; n < n1; ++n) column_block<1, true>(packed, m, w, k, n, y, ldy, false, Ahead());
+}
 // Sixteen rows' pairs at a time, gathered into one register and stored in order: written one by one
 // (strided by 64-256 bytes) the packing cost 3% of a 64-sequence decode step, each thread packing
 // every projection's input for itself.
@@ -141,6 +156,10 @@ bool bf16_gemm_compiled() { return false; }
 
 void bf16_gemm_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t,
                        const uint8_t*, int64_t) {
+  TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
+}
+
+void bf16_gemm_vnni_columns(const uint32_t*, int64_t, const uint16_t*, int64_t, bf16*, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "the bfloat16 GEMM needs AVX512-BF16");
 }
 

@@ -157,6 +157,14 @@ void vnni_brgemm_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k, 
                          c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
 void vnni_release();
 bool vnni_compiled();
+// The same columns summed in the bf16 GEMM's order (gemm_bf16.cpp: every output's pairs in one chain from
+// zero, then rounded once), so that a row's result does not depend on how many rows share the call: few rows
+// streamed (`vnni_ordered_columns`) or the GEMM on rows packed by pack_pairs (`bf16_gemm_vnni_columns`), the
+// same bits either way and the same as bf16_gemm_columns' on the plain layout. AVX512-BF16 (bf16_gemm_compiled).
+void vnni_ordered_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k, const uint16_t* packed,
+                          c10::BFloat16* y, int64_t ldy, int64_t c0, int64_t c1);
+void bf16_gemm_vnni_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, c10::BFloat16* y,
+                            int64_t ldy, int64_t n0, int64_t n1);
 // Rows a brgemm kernel takes through every block of its columns while they sit in L2 (at 1,024 rows,
 // 0.77x the time of one pass over all rows, measured on a 2-core Xeon).
 constexpr int64_t kBrgemmChunkRows = 256;

@@ -11,6 +11,9 @@
 // - `vnni_stream`: for a few rows, the same blocks streamed with vdpbf16ps (each 64-byte line of a block
 //   holds 16 columns' pairs for one pair of inputs, so one broadcast of the row's pair feeds 32 products):
 //   bound by the weights' read, as the plain-layout streaming kernel is.
+// - `ordered_stream` and `ordered_gemm` (AVX512-BF16, no AMX needed): a few rows streamed, and the bf16 GEMM
+//   of gemm_bf16.cpp reading this layout, both summing in that GEMM's order, so a row gets the same bits at
+//   any row count (--batch-invariant).
 // The plain layout's kernels (linear_bf16.cpp, gemm_bf16.cpp, oneDNN) are not given this layout; the
 // model holds one copy in one layout (ops/kernel_choice.py picks the layout and each bucket's kernel).
 #include "aten.h"
@@ -74,9 +77,69 @@ inline void stream_block(const uint16_t* xb, int64_t ldx, int64_t i0, const uint
   }
 }
 
+// The GEMM's order for G rows (gemm_bf16.cpp): each of a block's 32 columns is one lane of two accumulators,
+// summing the row's pairs p = 0, 1, ... in one chain (vdpbf16ps of the broadcast pair against the block's line
+// for p, the products the GEMM forms with the operands swapped), then rounded once: a row's bits are the GEMM's
+// at any row count. One chain a column is latency-bound: a row or two take B blocks side by side (B * 2
+// chains a row).
+template <int G, int B>
+inline void ordered_block(const uint16_t* xb, int64_t ldx, int64_t i0, const uint16_t* b, int64_t k, bf16* y,
+                          int64_t ldy, int64_t c, int64_t width) {
+  __m512 acc[G][2 * B];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 2 * B; ++j) acc[g][j] = _mm512_setzero_ps();
+  const int32_t* xr[G];
+  for (int g = 0; g < G; ++g) xr[g] = reinterpret_cast<const int32_t*>(xb + (i0 + g) * ldx);
+  const int64_t pairs = k / 2, block = k * kVnniBlock;  // (a block's length in bf16)
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh w[2 * B];
+    for (int j = 0; j < B; ++j) {
+      const uint16_t* line = b + j * block + p * 2 * kVnniBlock;
+      w[2 * j] = (__m512bh)_mm512_loadu_si512(line);
+      w[2 * j + 1] = (__m512bh)_mm512_loadu_si512(line + 32);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(xr[g][p]);
+      for (int j = 0; j < 2 * B; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], x, w[j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < B; ++j) {
+      bf16* out = y + (i0 + g) * ldy + c + j * kVnniBlock;
+      const int64_t cols = std::min<int64_t>(kVnniBlock, width - j * kVnniBlock);
+      store_rounded(out, acc[g][2 * j], std::min<int64_t>(cols, 16));
+      if (cols > 16) store_rounded(out + 16, acc[g][2 * j + 1], cols - 16);
+    }
+}
+
 }  // namespace
 
 bool vnni_compiled() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+LLMACCEL_ONE_COPY void vnni_ordered_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k,
+                                            const uint16_t* packed, bf16* y, int64_t ldy, int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  if (m <= 2)  // a lone row's two chains a block wait on each other: two blocks at once
+    for (; c + 2 * kVnniBlock <= c1; c += 2 * kVnniBlock) {
+      const uint16_t* b = packed + c / kVnniBlock * (k * kVnniBlock);
+      if (m == 1)
+        ordered_block<1, 2>(xb, ldx, 0, b, k, y, ldy, c, 2 * kVnniBlock);
+      else
+        ordered_block<2, 2>(xb, ldx, 0, b, k, y, ldy, c, 2 * kVnniBlock);
+    }
+  for (; c < c1; c += kVnniBlock) {
+    const uint16_t* b = packed + c / kVnniBlock * (k * kVnniBlock);
+    const int64_t width = std::min<int64_t>(kVnniBlock, c1 - c);
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) ordered_block<4, 1>(xb, ldx, i, b, k, y, ldy, c, width);
+    switch (m - i) {
+      case 3: ordered_block<3, 1>(xb, ldx, i, b, k, y, ldy, c, width); break;
+      case 2: ordered_block<2, 1>(xb, ldx, i, b, k, y, ldy, c, width); break;
+      case 1: ordered_block<1, 1>(xb, ldx, i, b, k, y, ldy, c, width); break;
+      default: break;
+    }
+  }
+}
 
 LLMACCEL_ONE_COPY void vnni_stream_columns(const uint16_t* xb, int64_t ldx, int64_t m, int64_t k,
                                            const uint16_t* packed, bf16* y, int64_t ldy, int64_t c0, int64_t c1) {
@@ -141,6 +204,11 @@ void vnni_brgemm_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint1
 }
 
 void vnni_release() {}
+
+void vnni_ordered_columns(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, bf16*, int64_t, int64_t,
+                          int64_t) {
+  TORCH_CHECK(false, "the ordered bfloat16 kernels need AVX512-BF16");
+}
 #endif
 
 void check_vnni(const at::Tensor& packed, int64_t n) {
@@ -175,22 +243,30 @@ torch::Tensor pack_vnni(torch::Tensor w) {
 }
 
 // x bfloat16 [M, K] against packed weights of n outputs -> bfloat16 [M, n] (float32 sums rounded once),
-// by `kernel`: vnni_stream or brgemm, the columns split between the threads a block at a time.
+// by `kernel`: vnni_stream, brgemm or ordered_stream, the columns split between the threads a block at a time,
+// or ordered_gemm, the rows packed in pairs as for the plain GEMM.
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, const std::string& kernel) {
   llmaccel::check_vnni(packed, n);
-  TORCH_CHECK(llmaccel::vnni_compiled(), "the packed bfloat16 kernels are not available on this CPU");
   const int64_t k = packed.size(1) * 2;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == torch::kBFloat16,
               "x must be bfloat16 [rows, ", k, "]");
-  TORCH_CHECK(kernel == "vnni_stream" || kernel == "brgemm", "unknown packed kernel '", kernel,
-              "' (vnni_stream or brgemm)");
-  const bool brgemm = kernel == "brgemm";
+  TORCH_CHECK(kernel == "vnni_stream" || kernel == "brgemm" || kernel == "ordered_stream" || kernel == "ordered_gemm",
+              "unknown packed kernel '", kernel, "' (vnni_stream, brgemm, ordered_stream or ordered_gemm)");
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const bool needs_amx = kernel == "vnni_stream" || kernel == "brgemm";
+  TORCH_CHECK(!needs_amx || llmaccel::vnni_compiled(), "the packed bfloat16 kernels are not available on this CPU");
+  TORCH_CHECK(needs_amx || llmaccel::bf16_gemm_compiled(), "the ordered bfloat16 kernels need AVX512-BF16");
+  if (kernel == "ordered_gemm")
+    return llmaccel::gemm_in_row_chunks(x, n, [&](const uint32_t* pairs, int64_t rows, at::BFloat16* y, int64_t c0,
+                                                  int64_t c1) {
+      llmaccel::bf16_gemm_vnni_columns(pairs, rows, wp, k, y, n, c0, c1);
+    });
+  const bool brgemm = kernel == "brgemm", ordered = kernel == "ordered_stream";
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
   auto y = torch::empty({m, n}, xc.options());
   if (m == 0) return y;
   const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = packed.size(0);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -198,6 +274,8 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, cons
     if (brgemm) {
       llmaccel::vnni_brgemm_columns(xb, k, m, k, wp, yp, n, c0, c1);
       llmaccel::vnni_release();
+    } else if (ordered) {
+      llmaccel::vnni_ordered_columns(xb, k, m, k, wp, yp, n, c0, c1);
     } else {
       llmaccel::vnni_stream_columns(xb, k, m, k, wp, yp, n, c0, c1);
     }

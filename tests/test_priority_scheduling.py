@@ -188,3 +188,22 @@ def test_a_light_owner_behind_its_share_runs_its_prompt_before_the_heavy_owners_
     sched.update(out, {"light": [7]})
     # 4 tokens against heavy's 12 is no longer under half the mean: the owners take turns again, everyone decodes
     assert ids(sched.schedule()) == ["heavy0", "light", "heavy1", "heavy2"]
+
+
+def test_fair_share_stops_steps_from_a_bucket_that_refills_and_priorities_always():
+    from llmaccel.engine.priority_scheduling import FAIR_STOPS, FAIR_STOPS_PER_S
+
+    clock = Clock()
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    sched = PriorityScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="priority"), kv,
+                              clock=clock)
+    heavy = [request(f"heavy{i}", priority=5, owner="heavy", arrival=float(i)) for i in range(3)]
+    for r in heavy:
+        sched.add_request(r)
+    sched.update(sched.schedule(), {r.request_id: [7] for r in heavy})
+    sched.schedule()  # heavy decodes: the step in flight; any new key is behind
+    assert FAIR_STOPS == 2 and all(sched.outranks_step(5, f"new{i}") for i in range(2))  # arrivals together
+    assert not sched.outranks_step(5, "new2")  # a stream of new keys: not every step is thrown away
+    assert sched.outranks_step(4, "new3") and sched.outranks_step(0, "new4")  # a better priority always stops it
+    clock.now = 1 / FAIR_STOPS_PER_S
+    assert sched.outranks_step(5, "new2") and not sched.outranks_step(5, "new5")

@@ -17,7 +17,9 @@ With one owner and one priority the order is FCFS's.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from llmaccel.config import SchedulerConfig
 from llmaccel.engine.kv_cache_manager import KVCacheManager
@@ -26,6 +28,12 @@ from llmaccel.engine.request import Request, RequestStatus
 from llmaccel.engine.scheduler import Scheduler, SchedulerOutput
 
 Rank = tuple[int, int]  # (priority, 0 when its owner is behind its fair share else 1): lower first
+# A step stopped for fair share alone (the same priority) throws its work away: such stops are drawn from a bucket
+# of FAIR_STOPS that refills at FAIR_STOPS_PER_S, so a stream of arrivals from new keys (each behind at first)
+# cannot stop every step (at most ~2 steps' partial work a second), while a light key's few clients, which tend
+# to arrive together, each still stop one. Stops for a better priority are not limited.
+FAIR_STOPS = 2
+FAIR_STOPS_PER_S = 2.0
 
 
 def build_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager) -> Scheduler:
@@ -34,17 +42,31 @@ def build_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager) -> Schedu
 
 
 class PriorityScheduler(Scheduler):
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, kv_cache)
-        self.shares = OwnerShares()
+        self.shares = OwnerShares(clock=clock)
+        self._clock = clock
+        self._fair_stops, self._fair_stops_at = float(FAIR_STOPS), clock()  # the bucket, and when it was filled
         # read by the server's thread at each arrival (outranks_step): replaced whole, never changed in place
         self._step_worst: Rank | None = None  # the worst rank in the step in flight
         self._ahead: frozenset[str] = frozenset()  # owners with requests that are not behind their share
 
     def outranks_step(self, priority: int, owner: str) -> bool:
-        """Whether a request arriving now ranks ahead of a row of the step in flight (so that step should stop)."""
+        """Whether a request arriving now ranks ahead of a row of the step in flight (so that step should stop):
+        by priority always, by fair share alone while the bucket of FAIR_STOPS holds one."""
         worst = self._step_worst
-        return worst is not None and (priority, int(owner in self._ahead)) < worst
+        if worst is None or (priority, int(owner in self._ahead)) >= worst:
+            return False
+        if priority < worst[0]:
+            return True
+        now = self._clock()
+        self._fair_stops = min(FAIR_STOPS, self._fair_stops + (now - self._fair_stops_at) * FAIR_STOPS_PER_S)
+        self._fair_stops_at = now
+        if self._fair_stops < 1:
+            return False
+        self._fair_stops -= 1
+        return True
 
     def schedule(self) -> SchedulerOutput:
         active = {r.owner for r in self.running} | {r.owner for r in self.waiting}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmaccel import LLM
+from llmaccel.bench.invariance import answers
 from llmaccel.ops.kernel_choice import FORCE_ENV, ORDERED_KERNELS, candidates, pack_vnni, run_bf16
-from llmaccel.sampling_params import SamplingParams
 
 ordered = set(ORDERED_KERNELS) <= set(candidates())
 needs_ordered = pytest.mark.skipif(not ordered, reason="no AVX512-BF16 on this CPU: no ordered kernels")
@@ -32,23 +32,17 @@ def test_the_ordered_kernels_give_every_row_the_plain_gemms_bits_alone(n, k):
     torch.testing.assert_close(alone.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
 
 
-def _answers(llm: LLM, prompts: list[list[int]], tokens: int, group: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for first in range(0, len(prompts), group)
-            for o in llm.generate(prompts[first:first + group], params, use_tqdm=False)]
-
-
 def _every_configuration_agrees(model: str, dtype: str, prompts: list[list[int]], tokens: int, chunk: int) -> None:
     base = LLM(model, dtype=dtype, batch_invariant=True, enable_prefix_caching=False)
-    reference = _answers(base, prompts, tokens, len(prompts))
+    reference = answers(base, prompts, tokens, len(prompts))
     for group in (1, 2, 16):
-        assert _answers(base, prompts, tokens, group) == reference, f"batches of {group}"
+        assert answers(base, prompts, tokens, group) == reference, f"batches of {group}"
     chunked = LLM(model, dtype=dtype, batch_invariant=True, enable_prefix_caching=False,
                   max_num_batched_tokens=chunk)
-    assert _answers(chunked, prompts, tokens, len(prompts)) == reference, f"chunked prefill at {chunk}"
+    assert answers(chunked, prompts, tokens, len(prompts)) == reference, f"chunked prefill at {chunk}"
     cached = LLM(model, dtype=dtype, batch_invariant=True)
-    assert _answers(cached, prompts, tokens, len(prompts)) == reference  # the cache fills as batch-mates share
-    assert _answers(cached, prompts, tokens, len(prompts)) == reference, "prefix cache warm"
+    assert answers(cached, prompts, tokens, len(prompts)) == reference  # the cache fills as batch-mates share
+    assert answers(cached, prompts, tokens, len(prompts)) == reference, "prefix cache warm"
     assert cached.engine.prefix_cache_stats.hits > 0
 
 

@@ -44,11 +44,12 @@ def answers(llm, prompts: list[list[int]], tokens: int, group: int) -> list[list
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
-    firsts = [next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), None)
-              for r, o in zip(reference, other, strict=True)]
-    differing = [f for f in firsts if f is not None]
-    return {"identical": sum(f is None for f in firsts), "of": len(firsts),
-            "first_difference_median": statistics.median(differing) if differing else None}
+    """How many answers are identical, of how many, and where the others first differ (bench kv's measure)."""
+    from llmaccel.bench.kv_cache import _agreement
+
+    shared = _agreement(reference, other)
+    return {"identical": round(shared["identical"] * len(reference)), "of": len(reference),
+            "first_difference_median": shared["first_difference_median"]}
 
 
 def identity(model: str, dtype: str, options: dict, prompts: list[list[int]], tokens: int) -> dict:

@@ -425,7 +425,7 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
             raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
                              f"force one of {', '.join(ORDERED_KERNELS)}")
         return forced if layer_weights else None, forced if head is not None else None
-    wanted = "vnni" if invariant else os.environ.get(LAYOUT_ENV) or None
+    wanted = os.environ.get(LAYOUT_ENV) or None
     # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
     # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
     # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)

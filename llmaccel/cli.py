@@ -118,6 +118,11 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "a KV window with sinks and both: KV written, peak RSS, prefill seconds, decode tok/s", "add_arguments", "run"),
     ("kv-positions", "kv_positions", "perplexity far past a KV window (2x, 4x, 8x W) with the sinks at their "
      "places in the cache (StreamingLLM) against in the text, beside the window read afresh", "add_arguments", "run"),
+    ("kv-offload", "kv_offload", "returning chat turns whose history left the RAM pool, with the disk tier "
+     "(--kv-offload-dir) and without: TTFT p50/p99, identical replies, prefix-cache hits after a restart",
+     "add_arguments", "run"),
+    ("kv-restore", "kv_restore", "one conversation's KV saved to disk and restored: llmaccel's disk tier across a "
+     "restart against llama.cpp's slot save/restore on the same GGUF file, per prompt length", "add_arguments", "run"),
     ("priority", "priority", "a high-priority request's TTFT behind a queue of low-priority ones, and a light API "
      "key's beside a heavy key's 10x flood: --scheduling-policy priority against fcfs", "add_arguments", "run"),
     ("invariance", "invariance", "whether a greedy answer changes with the load (alone, batches of 2/16/64, chunked "

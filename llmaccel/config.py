@@ -131,9 +131,22 @@ class CacheConfig:
     # sees a sink farther away than the window; "absolute": at their places in the text
     kv_positions: str = "cache"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float32, int8 or fp8 (ops/kv_int8.py)
+    # the disk tier below the RAM pool (engine/kv_tiers/): evicted prefix blocks go to files here and come back
+    # for a prompt that continues them, across restarts; None: off
+    kv_offload_dir: str | None = None
+    kv_offload_size: int = 16 << 30  # bytes the disk tier may hold (least recently used files out first)
+    # "evict": a block is written when RAM evicts it (and at shutdown); "write-through": as soon as it is computed,
+    # so replicas sharing the directory find each other's blocks
+    kv_offload_policy: str = "evict"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs prefix caching: the disk tier holds the prefix cache's blocks")
+        if self.kv_offload_policy not in ("evict", "write-through"):
+            raise ValueError(f"unknown kv_offload_policy {self.kv_offload_policy!r}; choose evict or write-through")
+        if self.kv_offload_size < 1:
+            raise ValueError(f"kv_offload_size must be positive, got {self.kv_offload_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_window is not None and self.kv_window < self.block_size:
@@ -286,8 +299,9 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
         """Build a config from flat keyword arguments; unknown names are an error."""
-        if "kv_cache_memory" in kwargs:
-            kwargs["kv_cache_memory"] = parse_memory_size(kwargs["kv_cache_memory"])  # type: ignore[arg-type]
+        for name in ("kv_cache_memory", "kv_offload_size"):
+            if name in kwargs:
+                kwargs[name] = parse_memory_size(kwargs[name])  # type: ignore[arg-type]
         parts = {}
         for name, klass in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                             ("speculative", SpeculativeConfig), ("guard", GuardConfig), ("lora", LoRAConfig)):

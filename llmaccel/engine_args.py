@@ -37,6 +37,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV of prompt prefixes seen before (on by default: full blocks are "
                              "hashed with their whole prefix, kept after use and evicted least recently used first)")
+    parser.add_argument("--kv-offload-dir", metavar="DIR",
+                        help="a disk tier below the KV cache: prefix blocks evicted from RAM are written here (off the "
+                             "step, checksummed) and read back for a prompt that continues them instead of being "
+                             "recomputed, also after a restart on the same directory; each model and KV format keeps "
+                             "its own folder in it")
+    parser.add_argument("--kv-offload-size", default="16GiB", metavar="SIZE",
+                        help="with --kv-offload-dir: the most it holds, e.g. 64GiB (least recently used blocks out "
+                             "first)")
+    parser.add_argument("--kv-offload-policy", choices=("evict", "write-through"), default="evict",
+                        help="with --kv-offload-dir: when a block is written. evict: when RAM evicts it (and at "
+                             "shutdown); write-through: as soon as it is computed, so replicas (--replicas) sharing "
+                             "the directory find each other's blocks")
     parser.add_argument("--kv-window", type=int, metavar="W",
                         help="StreamingLLM: each sequence keeps the KV of its last W tokens (and its --kv-sinks "
                              "first ones); blocks the window has passed are freed, so KV memory per sequence stays "
@@ -123,7 +135,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                    batch_invariant=args.batch_invariant,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                    kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_positions=args.kv_positions,
-                   kv_cache_dtype=args.kv_cache_dtype,
+                   kv_cache_dtype=args.kv_cache_dtype, kv_offload_dir=args.kv_offload_dir,
+                   kv_offload_size=args.kv_offload_size, kv_offload_policy=args.kv_offload_policy,
                    max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_kv_blocks:

@@ -63,6 +63,17 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def close(self) -> None:
+        """Write the prefix cache to the disk tier, where there is one (`kv_offload_dir`), so a later LLM on the same
+        directory finds it; the LLM is not used afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.tokenizer
 

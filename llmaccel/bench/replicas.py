@@ -48,11 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-throughput", action="store_true", help="only the multi-turn routing part")
     parser.add_argument("--skip-multiturn", action="store_true", help="only the throughput part")
     parser.add_argument("--seed", type=int, default=0, help="the order in which conversations arrive each turn")
+    parser.add_argument("--shared-tier", action="store_true",
+                        help="multi-turn: also run each router with the replicas sharing a disk tier "
+                             "(--kv-offload-dir in the run's folder, --kv-offload-policy write-through), so a "
+                             "replica finds the blocks another computed")
     parser.add_argument("--result-json", type=Path, help="write every figure to this JSON file")
 
 
 def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: str | None = None,
-            kv_memory: str | None = None):
+            kv_memory: str | None = None, tier: Path | None = None):
     from llmaccel.bench.servers import free_port, start_server
 
     # --no-input-filter, --semantic-guard off: each turn sends the model's own replies back as history, and a
@@ -65,6 +69,8 @@ def _server(args: argparse.Namespace, log: Path, replicas: int | None, router: s
         command += ["--replicas", str(replicas)]
     if router is not None:
         command += ["--router", router]
+    if tier is not None:
+        command += ["--kv-offload-dir", str(tier), "--kv-offload-policy", "write-through"]
     port = free_port()
     return start_server(command, port, log, timeout=600), f"http://127.0.0.1:{port}"
 
@@ -127,18 +133,29 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
     rng = random.Random(args.seed)
     prompt_tokens = cached_tokens = generated = 0
     own_prompt = own_cached = 0  # past the prefix every conversation shares: what routing can change
-    per_turn, replies = [], []
+    per_turn, replies, returning = [], [], []
     limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=args.conversations)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def ask(c: int) -> dict:
             # min_tokens, not ignore_eos: an end-of-turn token mid-reply would vanish from the reply's text,
             # so the next turn's prompt would part from the cached blocks there, by chance, router by router
             body = {"messages": histories[c], "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens,
-                    "temperature": 0}
-            response = await client.post("/v1/chat/completions", json=body)
-            if response.is_error:  # the server's own words, not just the status
-                raise RuntimeError(f"conversation {c}: HTTP {response.status_code}: {response.text[:500]}")
-            return response.json()
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            sent, first, text, usage = time.perf_counter(), None, [], None
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.is_error:  # the server's own words, not just the status
+                    await response.aread()
+                    raise RuntimeError(f"conversation {c}: HTTP {response.status_code}: {response.text[:500]}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices", []):
+                        if choice["delta"].get("content"):
+                            first = first or time.perf_counter()
+                            text.append(choice["delta"]["content"])
+            return {"usage": usage, "text": "".join(text), "ttft_s": (first or time.perf_counter()) - sent}
 
         start = time.perf_counter()
         for turn in range(args.turns):
@@ -160,11 +177,14 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
                 own_prompt += usage["prompt_tokens"] - shared
                 own_cached += max(cached - shared, 0)
                 generated += usage["completion_tokens"]
-                reply = answers[c]["choices"][0]["message"]["content"]
+                reply = answers[c]["text"]
                 histories[c].append({"role": "assistant", "content": reply})
                 replies.append(reply)
+            ttfts = sorted(answers[c]["ttft_s"] for c in range(args.conversations))
             per_turn.append({"prompt_tokens": turn_prompt, "cached_tokens": turn_cached,
-                             "hit_rate": turn_cached / turn_prompt})
+                             "hit_rate": turn_cached / turn_prompt, "ttft_p50_s": statistics.median(ttfts),
+                             "ttft_max_s": ttfts[-1]})
+            returning += ttfts if turn else []
             prompt_tokens += turn_prompt
             cached_tokens += turn_cached
         seconds = time.perf_counter() - start
@@ -175,6 +195,8 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
             "shared_prefix_tokens": shared, "own_hit_rate": own_cached / own_prompt,
             "prefill_tokens_computed": prompt_tokens - cached_tokens, "output_tokens": generated,
             "seconds": seconds, "output_tok_per_s": generated / seconds, "per_turn": per_turn,
+            "returning_ttft_p50_s": statistics.median(returning) if returning else None,
+            "returning_ttft_p99_s": sorted(returning)[round(0.99 * (len(returning) - 1))] if returning else None,
             "requests_per_replica": spread, "replies": replies}
 
 
@@ -183,19 +205,24 @@ def multiturn(args: argparse.Namespace, workdir: Path) -> dict:
 
     rows = {}
     shared = shared_prefix_tokens(args)
-    configs = [(router, args.replicas, router) for router in args.routers.split(",")]
-    configs.append(("1 process", None, None))
-    for label, replicas, router in configs:
-        proc, url = _server(args, workdir / f"multiturn-{label.replace(' ', '-')}.log", replicas, router,
-                            kv_memory=_total_kv(args) if replicas is None else None)
+    configs = [(router, args.replicas, router, False) for router in args.routers.split(",")]
+    if getattr(args, "shared_tier", False):  # bench multiturn --replicas has no such flag
+        configs += [(f"{router} + shared disk tier", args.replicas, router, True) for router in args.routers.split(",")]
+    configs.append(("1 process", None, None, False))
+    for label, replicas, router, shared_tier in configs:
+        slug = label.replace(" ", "-").replace("+", "")
+        tier = workdir / f"kv-{slug}" if shared_tier else None
+        proc, url = _server(args, workdir / f"multiturn-{slug}.log", replicas, router,
+                            kv_memory=_total_kv(args) if replicas is None else None, tier=tier)
         try:
             rows[label] = asyncio.run(_conversations(url, args, shared))
         finally:
             stop_server(proc)
         r = rows[label]
         print(f"{label}: hit rate {r['hit_rate']:.1%} ({r['own_hit_rate']:.1%} past the shared {shared}-token "
-              f"prefix), {r['output_tok_per_s']:.0f} output tok/s, requests per "
-              f"replica {r['requests_per_replica']}", file=sys.stderr)
+              f"prefix), {r['output_tok_per_s']:.0f} output tok/s, returning turns' TTFT p50 "
+              f"{r['returning_ttft_p50_s'] * 1000:.0f} ms p99 {r['returning_ttft_p99_s'] * 1000:.0f} ms, requests "
+              f"per replica {r['requests_per_replica']}", file=sys.stderr)
     replies = [r.pop("replies") for r in rows.values()]
     identical = all(r == replies[0] for r in replies)
     result = {"rows": rows, "replies_identical": identical, "shared_prefix_tokens": shared}
@@ -281,12 +308,14 @@ def format_report(result: dict) -> str:
         rows = m["rows"]
         lines.append("")
         lines.append("| routing | prompt tokens | cached | hit rate | hit rate past the shared prefix | output tok/s "
-                     "| requests per replica |")
-        lines.append("|---|---|---|---|---|---|---|")
+                     "| returning turns' TTFT p50 / p99 | requests per replica |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for label, r in rows.items():
             spread = "/".join(f"{v:.0f}" for v in r["requests_per_replica"]) or "-"
+            ttft = (f"{r['returning_ttft_p50_s'] * 1000:.0f} / {r['returning_ttft_p99_s'] * 1000:.0f} ms"
+                    if r.get("returning_ttft_p50_s") is not None else "-")
             lines.append(f"| {label} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['hit_rate']:.1%} | "
-                         f"{r['own_hit_rate']:.1%} | {r['output_tok_per_s']:.1f} | {spread} |")
+                         f"{r['own_hit_rate']:.1%} | {r['output_tok_per_s']:.1f} | {ttft} | {spread} |")
         if "cache-aware" in rows:
             ours = rows["cache-aware"]
             for other in ("round-robin", "ray-prefix"):

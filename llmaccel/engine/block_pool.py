@@ -27,7 +27,7 @@ vLLM's KV events do for llm-d and Dynamo). Off by default: a single engine needs
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 PARTIAL = b"partial"  # the hash of a block kept for partial matches only (a prefix hash is 32 bytes)
 
@@ -49,6 +49,9 @@ class BlockPool:
         # OrderedDict as an O(1) doubly linked list: head = next to be handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.events: deque[tuple[bool, bytes]] | None = None
+        # (block id, hash) of a cached block about to be handed out again, while it still holds its KV: the disk
+        # tier spills it (engine/kv_tiers/offload.py)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     def record_events(self) -> deque[tuple[bool, bytes]]:
         """Start logging (stored, hash) for every hash cached or evicted; returns the log, which the
@@ -148,6 +151,8 @@ class BlockPool:
             if not siblings:
                 del self.children[parent]
         if block_hash != PARTIAL:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self.cached[block_hash]
             self.num_evictions += 1
             if self.events is not None:

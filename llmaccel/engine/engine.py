@@ -18,6 +18,7 @@ from llmaccel.config import EngineConfig
 from llmaccel.engine.detokenizer import IncrementalDetokenizer
 from llmaccel.engine.guard_stage import Judgement, Verdict, build_guard_stage
 from llmaccel.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from llmaccel.engine.kv_tiers.offload import KVOffload, open_disk_tier
 from llmaccel.engine.loading import check_reindexable, kv_layout, load_model, reindexes_sinks
 from llmaccel.engine.priority_scheduling import build_scheduler
 from llmaccel.engine.request import Request, RequestStatus
@@ -29,7 +30,7 @@ from llmaccel.errors import InvalidRequestError
 from llmaccel.lora.adapter import LoRAAdapter
 from llmaccel.lora.manager import LoRAManager
 from llmaccel.model.layers import weight_bytes
-from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.loader import load_checkpoint, resolve_model_path
 from llmaccel.model.step_interrupt import StepInterrupt, StepInterrupted
 from llmaccel.ops.gemv import gemv_kernels
 from llmaccel.ops.kv_int8 import kv_storage_dtype
@@ -113,6 +114,8 @@ class LLMEngine:
         self.runner.guard = self.guard = build_guard_stage(self, num_blocks)  # the semantic input guard, or None
         if self.guard is None:  # the guard keeps a row sum per whole block, so it reuses whole blocks only
             self.kv_cache.copy_prefix = self._copy_kv_prefix
+        if config.cache.kv_offload_dir is not None:
+            self.kv_cache.attach_tier(self._open_disk_tier(config))
         machine = describe()
         logger.info("machine: %s, %s cores, features %s%s; dtype %s%s; weight-streaming kernels: %s",
                     machine["cpu"], machine["cores"], ",".join(machine["features"]) or "none",
@@ -138,6 +141,34 @@ class LLMEngine:
         self.last_step = StepStats(0, 0)
         self.last_step_failed = False  # the last step's forward pass raised (its requests were failed)
         self.record_confidence = False  # the output guard wants each sample's mean top probability
+
+    def _open_disk_tier(self, config: EngineConfig) -> KVOffload:
+        """The disk tier (--kv-offload-dir) over the target's KV pool and a draft model's."""
+        if self.guard is not None:
+            raise ValueError("--kv-offload-dir cannot run with the semantic guard, which keeps a sum per cached block "
+                             "that the disk tier does not hold; turn one of them off")
+        slabs = [self.runner.kv_slab]
+        paths = [str(resolve_model_path(config.model.model))]
+        if self.drafter is not None and self.drafter.kv_slab is not None:
+            slabs.append(self.drafter.kv_slab)
+            paths.append(str(resolve_model_path(config.speculative.speculative_model)))
+        tier = open_disk_tier(config.cache.kv_offload_dir, config.cache.kv_offload_size, self.variant, paths, slabs,
+                              config.cache.block_size, config.cache.kv_offload_policy == "write-through")
+        stats = tier.store.stats
+        logger.info("KV disk tier: %s, %d blocks (%.2f GiB) there from before, up to %.2f GiB", tier.store.folder,
+                    stats.files, stats.disk_bytes / 2**30, tier.store.capacity / 2**30)
+        return tier
+
+    def close(self) -> None:
+        """Write the prefix cache's blocks to the disk tier, if there is one, and stop its threads (at shutdown)."""
+        tier = self.kv_cache.tier
+        if tier is not None:
+            began, stored = time.perf_counter(), tier.store.stats.stored_bytes
+            self.kv_cache.spill_all()
+            tier.close()
+            logger.info("KV disk tier: wrote %.1f MB of blocks at shutdown in %.2f s; %d blocks (%.2f GiB) in %s",
+                        (tier.store.stats.stored_bytes - stored) / 1e6, time.perf_counter() - began,
+                        tier.store.stats.files, tier.store.stats.disk_bytes / 2**30, tier.store.folder)
 
     def _copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
         """A partial prefix-cache hit: the first `num_tokens` KV slots of block `source` into `target`, in the
@@ -303,6 +334,8 @@ class LLMEngine:
         self.last_step = StepStats(len(scheduled.scheduled), scheduled.num_tokens)
         self.last_step_failed = False
         if scheduled.is_empty:
+            if self.kv_cache.tier is not None:  # only requests whose prefix is being read: wait for one
+                self.kv_cache.tier.wait_for_loads(0.05)
             return []
         self.num_steps += 1
         now = time.time()
@@ -343,6 +376,9 @@ class LLMEngine:
             for group in groups.values():
                 fail_group(self.scheduler, group, exc)
             return [self._finish_group(group, time.time()) for group in groups.values()]
+        if self.kv_cache.tier is not None and scheduled.num_tokens >= 4 * len(scheduled.scheduled):
+            # mostly prompt tokens: what computing a block costs, against which the disk tier's loads are weighed
+            self.kv_cache.tier.observe_step(scheduled.num_tokens, time.perf_counter() - began)
         failed = dict(results.failed)
         before = {item.request.request_id: item.request.num_output_tokens for item in scheduled.scheduled}
         advanced = self.scheduler.update(scheduled, {rid: [tok for tok, _, _ in taken]
@@ -439,6 +475,12 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prompt tokens looked up in the prefix cache and found there, since the engine started."""
         return self.kv_cache.stats
+
+    @property
+    def kv_tier_stats(self) -> dict[str, dict] | None:
+        """The KV tiers below RAM by name ("disk"), each one's counts since the engine started; None without."""
+        tier = self.kv_cache.tier
+        return None if tier is None else {"disk": tier.stats()}
 
     @property
     def kv_cache_usage(self) -> float:

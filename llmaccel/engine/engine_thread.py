@@ -118,6 +118,7 @@ class EngineThread:
         aborted = engine.abort_all()
         if aborted:
             logger.warning("shutdown aborted %d unfinished request(s)", aborted)
+        engine.close()
 
     def _iterate(self, engine: LLMEngine) -> str:
         """One pass of the loop: wait for work, take commands, run one step. Returns "ok" or "failed" (the

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llmaccel.engine.block_pool import BlockPool
+from llmaccel.engine.kv_tiers.offload import KVOffload
 from llmaccel.engine.request import Request
 
 
@@ -59,6 +60,7 @@ class CachedPrefix:
 
     blocks: list[int] = field(default_factory=list)
     partial: tuple[int, int] | None = None
+    loading: bool = False  # more of the prefix is being read from the disk tier: the request waits for it
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size + (self.partial[1] if self.partial else 0)
@@ -90,6 +92,12 @@ class KVCacheManager:
         # copies the KV of n token slots from one block to another (src, dst, n): set by the engine to allow
         # partial-block hits; None (a tiny KV spec in a test, a guard that keeps per-block sums): whole blocks only
         self.copy_prefix: Callable[[int, int, int], None] | None = None
+        self.tier: KVOffload | None = None  # the disk tier below RAM (--kv-offload-dir), set by attach_tier
+
+    def attach_tier(self, tier: KVOffload) -> None:
+        """Spill evicted blocks to `tier` and look past RAM's prefix there (engine/kv_tiers/offload.py)."""
+        self.tier = tier
+        self.pool.on_evict = tier.spill
 
     @property
     def usage(self) -> float:
@@ -116,12 +124,65 @@ class KVCacheManager:
             if block_id is None:
                 break
             found.blocks.append(block_id)
+        if self.tier is not None and len(found.blocks) < len(hashes):
+            found.loading = self._extend_from_tier(request, hashes, found.blocks)
+            if found.loading:
+                return found
         if self.copy_prefix is not None and self.window is None:
             start = len(found.blocks) * self.block_size
             parent = self._parent(request, hashes, len(found.blocks))
             rest = request.all_token_ids[start:min(last, start + self.block_size)]
             found.partial = self.pool.longest_partial_match(parent, rest) if rest else None
         return found
+
+    def _extend_from_tier(self, request: Request, hashes: list[bytes], blocks: list[int]) -> bool:
+        """Extend `blocks`, the request's prefix found in RAM, by what its finished load brought from the disk tier,
+        or start a load of the run of its next blocks there; True while a load is in flight (the request waits).
+        One load per admission try: what does not fit in the pool then is computed."""
+        tier = self.tier
+        if tier.loading(request.request_id):
+            return True
+        done = tier.finished_load(request.request_id)
+        if done is None:
+            first = len(blocks)
+            run = tier.store.count_run(hashes[first:])
+            if not run or not tier.worth_loading():
+                return False
+            if tier.may_load(run):  # else it waits for room: the loads before it are on their way into the pool
+                tier.start_load(request.request_id, first, hashes[first:first + run])
+            return True
+        load, payloads = done
+        self._restore(request, hashes, blocks, load.first, payloads)
+        for block_hash in hashes[len(blocks):]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return False
+
+    def _restore(self, request: Request, hashes: list[bytes], blocks: list[int], first: int,
+                 payloads: list[memoryview]) -> None:
+        """Copy loaded blocks (numbers first, first + 1, ... of the request) into free blocks, cached under their
+        hashes and left free for the request to take as any cached prefix; those that find no free block are
+        dropped (computed instead)."""
+        wanted = [i for i in range(first, first + len(payloads)) if self.pool.lookup(hashes[i]) is None]
+        self.pool.touch(blocks)  # the request's own cached blocks are not handed out for its load
+        targets = self.pool.allocate(min(len(wanted), self.pool.num_free_blocks)) or []
+        size = self.block_size
+        for block_id, index in zip(targets, wanted, strict=False):
+            self.tier.write_block(block_id, payloads[index - first])
+            self.pool.cache_block(block_id, hashes[index], self._parent(request, hashes, index),
+                                  request.all_token_ids[index * size:(index + 1) * size])
+        self.tier.restored_blocks += len(targets)
+        self.pool.free(list(reversed(targets)) + list(reversed(blocks)))
+
+    def spill_all(self) -> None:
+        """Write every cached block RAM holds to the disk tier and wait for the writes (at shutdown: a restart on
+        the same directory finds them)."""
+        if self.tier is not None:
+            for block_hash, block_id in list(self.pool.cached.items()):
+                self.tier.spill(block_id, block_hash)
+            self.tier.store.flush()
 
     def uncached_prefix_hashes(self, request: Request, num_cached_blocks: int) -> list[bytes]:
         """The hashes of a fresh request's full prompt blocks past its cached prefix (what its prefill
@@ -199,6 +260,8 @@ class KVCacheManager:
                 tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
                 table = request.sink_block_ids if index < len(request.sink_block_ids) else request.block_ids
                 self.pool.cache_block(table[position], hashes[index], self._parent(request, hashes, index), tokens)
+                if self.tier is not None and self.tier.write_through:
+                    self.tier.spill(table[position], hashes[index])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def table_index(self, request: Request, logical_block: int) -> int | None:
@@ -249,6 +312,8 @@ class KVCacheManager:
             tokens = request.all_token_ids[num_full * self.block_size:request.num_computed_tokens]
             self.pool.cache_partial(request.block_ids[num_full], parent, tokens)
         self.pool.free(list(reversed(request.block_ids)) + list(reversed(request.sink_block_ids)))
+        if self.tier is not None:
+            self.tier.forget(request.request_id)
         request.block_ids = []
         request.sink_block_ids = []
         request.num_cached_blocks = 0

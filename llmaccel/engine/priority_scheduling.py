@@ -106,6 +106,8 @@ class PriorityScheduler(Scheduler):
             else:
                 waiting.remove(request)
                 cached = self.kv_cache.find_cached_prefix(request)
+                if cached.loading:
+                    continue  # its prefix is on the way from the disk tier
                 computes = self.kv_cache.uncached_prefix_hashes(request, len(cached.blocks))
                 if computes and computes[0] in in_flight:
                     continue  # it waits a step for that block (as in FCFS)

@@ -7,7 +7,8 @@ budget, `max_num_seqs` and free blocks last; a request admitted with a cached pr
 caching) starts past it, so only the rest counts against the budget. A request whose next prompt
 block a request admitted in the same step is about to compute waits a step, then finds it cached
 (SGLang's in-batch prefix caching): 64 chat requests that arrive together share their system
-prompt's blocks instead of computing them 64 times. When a running request cannot
+prompt's blocks instead of computing them 64 times. A request whose prefix is being read from the disk tier
+(`--kv-offload-dir`) keeps its place while the requests behind it are admitted. When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the head of the queue, to be recomputed later. Chunked prefill falls out of this rule,
 and so does speculative decoding: a decoding request asks for 1 + K slots, its last token and K
@@ -74,6 +75,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        if self.kv_cache.tier is not None:  # start reading its prefix from the disk tier while it queues
+            self.kv_cache.find_cached_prefix(request)
 
     def outranks_step(self, priority: int, owner: str) -> bool:
         """Whether a request arriving now should stop the step in flight: never under FCFS (the priority policy's
@@ -93,9 +96,12 @@ class Scheduler:
 
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.
         in_flight: set[bytes] = set()  # prompt blocks the requests admitted in this step will compute
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             cached = self.kv_cache.find_cached_prefix(request)
+            if cached.loading:
+                continue  # its prefix is on the way from the disk tier: the requests behind it go first
             computes = self.kv_cache.uncached_prefix_hashes(request, len(cached.blocks))
             if computes and computes[0] in in_flight:
                 break  # it waits a step for that block; the first admitted in any step never waits

@@ -111,6 +111,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine] | N
                                   lambda: engine.kv_cache_usage, lambda: engine.prefix_cache_stats,
                                   lambda: engine.memory_bytes)
         state.metrics.bind_speculation(lambda: engine.speculation_stats)
+        state.metrics.bind_kv_tiers(lambda: getattr(engine, "kv_tier_stats", None))  # replicas: none yet
         if getattr(engine, "guard", None) is not None:  # replicas (cluster/remote_engine.py) run none
             state.metrics.bind_semantic_guard(lambda: dict(engine.guard.counts))
         state.stats = DashboardStats(state.metrics.registry, engine_summary(engine, list(state.model_names)))

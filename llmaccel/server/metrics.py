@@ -129,6 +129,10 @@ class ServerMetrics:
         if memory is not None:
             self.registry.register(_MemoryCollector(memory))
 
+    def bind_kv_tiers(self, stats: Callable[[], dict[str, dict] | None]) -> None:
+        """Export the KV tiers below RAM (`--kv-offload-dir`: "disk"), by tier, read at scrape time."""
+        self.registry.register(_KVTierCollector(stats))
+
     def bind_speculation(self, stats: Callable[[], SpeculationStats | None]) -> None:
         """Export speculative decoding's counters (drafts proposed and kept), read at scrape time."""
         self.registry.register(_SpeculationCollector(stats))
@@ -262,6 +266,37 @@ class _PrefixCacheCollector:
                                   value=stats.queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "KV reused, not computed).", value=stats.hits)
+
+
+class _KVTierCollector:
+    """Each KV tier's cumulative counts (engine/kv_tiers/): blocks and bytes written and read, the seconds they took
+    (a mean latency is their rate's ratio), files refused and dropped, and what the tier holds."""
+
+    COUNTERS = (("stored_blocks", "Blocks written to the tier."), ("stored_bytes", "Payload bytes written."),
+                ("store_seconds", "Seconds spent writing blocks (off the step)."),
+                ("store_errors", "Writes that failed (a full disk, say); the block is dropped."),
+                ("dropped_blocks", "Spills not written because the write queue was full."),
+                ("loaded_blocks", "Blocks read back from the tier."), ("loaded_bytes", "Payload bytes read."),
+                ("load_seconds", "Seconds spent reading and checking blocks (off the step)."),
+                ("restored_blocks", "Blocks read back and put into the KV pool."),
+                ("rejected_files", "Truncated, corrupt or foreign files found, deleted and never used."),
+                ("evicted_files", "Files dropped to stay within the tier's size."))
+
+    def __init__(self, stats: Callable[[], dict[str, dict] | None]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        tiers = self.stats() or {}
+        for name, doc in self.COUNTERS:
+            family = CounterMetricFamily(PREFIX + "kv_tier_" + name, doc, labels=["tier"])
+            for tier, stats in tiers.items():
+                family.add_metric([tier], stats[name])
+            yield family
+        for name, doc in (("files", "Block files the tier holds."), ("disk_bytes", "Bytes the tier holds.")):
+            family = GaugeMetricFamily(PREFIX + "kv_tier_" + name, doc, labels=["tier"])
+            for tier, stats in tiers.items():
+                family.add_metric([tier], stats[name])
+            yield family
 
 
 class _GuardCollector:

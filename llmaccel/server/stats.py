@@ -149,6 +149,7 @@ class DashboardStats:
             "prefix_cache": {"hit_rate": window_hit_rate, "hit_rate_total": hits / queries if queries else None,
                              "hit_tokens_total": hits, "queried_tokens_total": queries},
             "latency": latency,
+            "kv_tiers": kv_tiers(s),
             "totals": {"requests_finished": total(s, P + "e2e_request_latency_seconds_count"),
                        "generation_tokens": total(s, P + "generation_tokens_total"),
                        "preemptions": total(s, P + "preemptions_total"),
@@ -164,6 +165,22 @@ class DashboardStats:
             "quality": {"perplexity_change_ratio": next(iter(change.values())) if change else None},
             "config": self.engine_info,
         }
+
+
+def kv_tiers(s: Samples) -> dict[str, dict]:
+    """Each KV tier below RAM (--kv-offload-dir: "disk"): blocks written, read and refused, what it holds, and
+    the mean time to write and to read a block."""
+    tiers: dict[str, dict] = {}
+    for name in ("stored_blocks", "loaded_blocks", "restored_blocks", "rejected_files", "store_errors", "files",
+                 "disk_bytes", "store_seconds", "load_seconds"):
+        metric = P + "kv_tier_" + name + ("" if name in ("files", "disk_bytes") else "_total")
+        for tier, value in by_label(s, metric, "tier").items():
+            tiers.setdefault(tier, {})[name] = value
+    for stats in tiers.values():
+        for kind, blocks in (("store", "stored_blocks"), ("load", "loaded_blocks")):
+            seconds = stats.pop(f"{kind}_seconds", 0.0)
+            stats[f"mean_{kind}_ms"] = 1000 * seconds / stats[blocks] if stats.get(blocks) else None
+    return tiers
 
 
 def engine_summary(engine, model_names: list[str]) -> dict:

@@ -169,6 +169,10 @@ class HeadDrafter:
     def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
         self.runner.copy_kv_prefix(source, target, num_tokens)
 
+    @property
+    def kv_slab(self) -> torch.Tensor:
+        return self.runner.kv_slab
+
     def _start(self, request) -> int:
         known = self._computed.get(request.request_id)
         if known is None:  # first draft since admission: the prefix cache's blocks hold head KV too

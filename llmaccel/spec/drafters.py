@@ -32,6 +32,7 @@ class Drafter(Protocol):
     # (its prompt, at its first draft): that step's time says little about speculation's steady cost
     steady: bool
     wants_features: bool  # whether `observe` should get the target's hidden states each step
+    kv_slab: torch.Tensor | None  # its KV pool, laid out as the target's (the disk tier saves it too), if any
 
     def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
         """Up to `num_draft_slots` tokens to follow each item's request's last token."""
@@ -49,6 +50,7 @@ class Drafter(Protocol):
 class NgramDrafter:
     steady = True
     wants_features = False
+    kv_slab = None
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -84,6 +86,10 @@ class LookupFirstDrafter:
     def steady(self) -> bool:
         return self.inner.steady
 
+    @property
+    def kv_slab(self) -> torch.Tensor | None:
+        return self.inner.kv_slab
+
     def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
         drafts = self.lookup.propose(items)
         rest = [item for item in items if item.request.request_id not in drafts]
@@ -113,6 +119,10 @@ class ModelDrafter:
 
     def copy_kv_prefix(self, source: int, target: int, num_tokens: int) -> None:
         self.runner.copy_kv_prefix(source, target, num_tokens)
+
+    @property
+    def kv_slab(self) -> torch.Tensor:
+        return self.runner.kv_slab
 
     def propose(self, items: list[ScheduledRequest]) -> dict[str, list[int]]:
         if not items:

@@ -414,7 +414,12 @@ async function pollOnce() {
       ["input filter matches", JSON.stringify(t.input_filter_matches)], ["guard checks", t.guard_checks],
       ["result-cache hits", t.result_cache_hits],
       ["prefix-cache hit rate since start", stats.prefix_cache.hit_rate_total === null ? "–"
-        : (100 * stats.prefix_cache.hit_rate_total).toFixed(1) + " %"]]);
+        : (100 * stats.prefix_cache.hit_rate_total).toFixed(1) + " %"],
+      ...Object.entries(stats.kv_tiers || {}).map(([tier, k]) => [`KV ${tier} tier`,
+        `${k.files} blocks (${(k.disk_bytes / 2 ** 30).toFixed(2)} GiB); written ${k.stored_blocks}` +
+        (k.mean_store_ms === null ? "" : ` (${k.mean_store_ms.toFixed(2)} ms each)`) +
+        `, read back ${k.loaded_blocks}` + (k.mean_load_ms === null ? "" : ` (${k.mean_load_ms.toFixed(2)} ms each)`) +
+        `, refused ${k.rejected_files}, failed writes ${k.store_errors}`])]);
     showError("");
   } catch (error) {
     showError("dashboard: " + error.message);

@@ -131,6 +131,21 @@ def test_the_dashboard_moves_while_load_runs(server, browser):
     assert len(browser.find_elements(By.CSS_SELECTOR, "#charts canvas")) == 6
 
 
+def test_the_dashboard_shows_the_kv_disk_tier(llama_dir, browser, tmp_path):
+    options = {"kv_offload_dir": str(tmp_path), "kv_offload_policy": "write-through"}
+    with live_server(llama_dir, engine_options=options) as tiered:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 2}
+        assert httpx.post(tiered.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        files = wait_until(lambda: httpx.get(tiered.url + "/v1/llmaccel/stats").json()["kv_tiers"]["disk"]["files"],
+                           10, "the tier's first files")
+        open_page(browser, tiered.url, "dashboard")
+        read_tier = ("for (const row of document.querySelectorAll('#totals tr')) "
+                     "if (row.cells[0].textContent === 'KV disk tier') return row.cells[1].textContent;")
+        text = wait_until(lambda: browser.execute_script(read_tier), 20, "the disk tier's row")
+    assert text.startswith(f"{files:.0f} blocks (0.00 GiB); written {files:.0f} (")
+    assert text.endswith("read back 0, refused 0, failed writes 0")
+
+
 def _sweep(server, out_dir, label: str) -> list:
     command = [sys.executable, "-m", "llmaccel.cli", "bench", "sweep", "--base-url", server.url, "--model",
                MODEL_NAME, "--label", label, "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "8",

@@ -25,6 +25,7 @@ from llmaccel.engine.kv_tiers.offload import KVOffload
 from llmaccel.engine.request import Request
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
+from tests.test_prefix_caching import _run_counting_tokens
 from tests.tiny_models import hf_greedy
 
 NAMESPACE = hashlib.sha256(b"test").digest()
@@ -224,14 +225,21 @@ def test_an_evicted_block_is_spilled_and_a_returning_prompt_gets_it_back_in_free
     assert tier.store.stats.stored_blocks == 2
 
 
-def test_a_load_that_finds_no_free_block_leaves_the_prompt_to_be_computed(tmp_path):
-    kv = KVCacheManager(num_blocks=4, block_size=2)
-    tier, _ = _fake_tier(tmp_path, kv, 8)
+def _evict_a_prompt(kv: KVCacheManager) -> Request:
+    """Compute prompt [1..5] and free it (two cached blocks), then hand every block to another request, which
+    spills them; returns that request."""
     a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     _compute(kv, a, 5)
     kv.free(a)
     hog = Request("hog", [9] * 8, SamplingParams(max_tokens=4))
-    kv.allocate_slots(hog, 8)  # every block, a's spilled
+    kv.allocate_slots(hog, 8)
+    return hog
+
+
+def test_a_load_that_finds_no_free_block_leaves_the_prompt_to_be_computed(tmp_path):
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    tier, _ = _fake_tier(tmp_path, kv, 8)
+    _evict_a_prompt(kv)  # and keep every block
     again = Request("a2", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     assert kv.find_cached_prefix(again).loading
     tier.loads["a2"].future.result()
@@ -243,20 +251,11 @@ def test_a_load_that_finds_no_free_block_leaves_the_prompt_to_be_computed(tmp_pa
 def test_an_aborted_request_drops_its_load(tmp_path):
     kv = KVCacheManager(num_blocks=4, block_size=2)
     tier, _ = _fake_tier(tmp_path, kv, 8)
-    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
-    _compute(kv, a, 5)
-    kv.free(a)
-    kv.free(_hog(kv))
+    kv.free(_evict_a_prompt(kv))
     again = Request("a2", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     assert kv.find_cached_prefix(again).loading
     kv.free(again)
     assert not tier.loads
-
-
-def _hog(kv: KVCacheManager) -> Request:
-    hog = Request("hog", [9] * 8, SamplingParams(max_tokens=4))
-    kv.allocate_slots(hog, 8)
-    return hog
 
 
 # ---- through the engine --------------------------------------------------------------------------
@@ -269,29 +268,19 @@ def _llm(model_dir, directory, **options) -> LLM:
     return LLM(str(model_dir), dtype="float32", num_kv_blocks=24, kv_offload_dir=str(directory), **options)
 
 
-def _computed(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
-    engine = llm.engine
-    engine.add_request(None, prompt, GREEDY)
-    computed, outputs = 0, []
-    while engine.has_unfinished_requests():
-        outputs += engine.step(emit_unfinished=False)
-        computed += engine.last_step.num_tokens
-    return list(outputs[0].outputs[0].token_ids), computed
-
-
 def test_a_prompt_whose_blocks_left_ram_is_read_back_and_answers_the_same(tmp_path, llama_dir):
     first, second, third = _prompts(3, 150)
     llm = _llm(llama_dir, tmp_path)
-    assert _computed(llm, first) == (hf_greedy(llama_dir, first, 6), 150 + 5)
-    _computed(llm, second)
-    _computed(llm, third)  # 24 blocks hold two of these: the first's blocks were evicted, and spilled
+    assert _run_counting_tokens(llm, first) == (hf_greedy(llama_dir, first, 12), 150 + 11)
+    _run_counting_tokens(llm, second)
+    _run_counting_tokens(llm, third)  # 24 blocks hold two of these: the first's blocks were evicted, and spilled
     kv = llm.engine.kv_cache
     hashes = kv._block_hashes(Request("x", first, GREEDY), 9)
     in_ram = next(i for i, h in enumerate(hashes + [None]) if h is None or kv.pool.lookup(h) is None)
     assert in_ram < 9  # its deepest blocks went first
-    tokens, computed = _computed(llm, first)
-    assert tokens == hf_greedy(llama_dir, first, 6)
-    assert computed == 150 - 144 + 5  # its 9 whole blocks came from RAM and disk
+    tokens, computed = _run_counting_tokens(llm, first)
+    assert tokens == hf_greedy(llama_dir, first, 12)
+    assert computed == 150 - 144 + 11  # its 9 whole blocks came from RAM and disk
     stats = llm.engine.kv_tier_stats["disk"]
     assert stats["restored_blocks"] == 9 - in_ram and stats["rejected_files"] == 0
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
@@ -301,29 +290,29 @@ def test_a_restarted_engine_finds_the_blocks_the_last_one_wrote(tmp_path, llama_
     prompts = _prompts(2, 150, seed=1)
     with _llm(llama_dir, tmp_path) as llm:
         for prompt in prompts:
-            _computed(llm, prompt)  # still in RAM at the end: close() writes them
+            _run_counting_tokens(llm, prompt)  # still in RAM at the end: close() writes them
     llm = _llm(llama_dir, tmp_path)
     for prompt in prompts:
-        assert _computed(llm, prompt) == (hf_greedy(llama_dir, prompt, 6), 6 + 5)
+        assert _run_counting_tokens(llm, prompt) == (hf_greedy(llama_dir, prompt, 12), 6 + 11)
     assert llm.engine.kv_tier_stats["disk"]["restored_blocks"] == 18
     cold = _llm(llama_dir, tmp_path / "empty")
-    assert _computed(cold, prompts[0])[1] == 150 + 5
+    assert _run_counting_tokens(cold, prompts[0])[1] == 150 + 11
 
 
 def test_corrupt_files_after_a_restart_are_computed_again(tmp_path, llama_dir):
     prompt = _prompts(1, 150, seed=2)[0]
     with _llm(llama_dir, tmp_path) as llm:
-        _computed(llm, prompt)
+        _run_counting_tokens(llm, prompt)
     files = sorted(tmp_path.glob("*/*/*.kv"))
-    assert len(files) == 9
+    assert len(files) == 10  # the prompt's 9 whole blocks and one of prompt and answer
     for path in files:
         data = bytearray(path.read_bytes())
         data[-7] ^= 0x40
         path.write_bytes(data)
     llm = _llm(llama_dir, tmp_path)
-    assert _computed(llm, prompt) == (hf_greedy(llama_dir, prompt, 6), 150 + 5)
+    assert _run_counting_tokens(llm, prompt) == (hf_greedy(llama_dir, prompt, 12), 150 + 11)
     assert llm.engine.kv_tier_stats["disk"]["rejected_files"] == 9  # the run's blocks are read together
-    assert not list(tmp_path.glob("*/*/*.kv"))
+    assert len(list(tmp_path.glob("*/*/*.kv"))) == 1  # the block past the prompt, never read
     assert llm.engine.kv_tier_stats["disk"]["restored_blocks"] == 0
 
 
@@ -334,7 +323,7 @@ def test_other_weights_at_the_same_path_never_read_the_old_blocks(tmp_path, tiny
     shutil.copytree(tiny_model_dirs["llama-gqa"], model)
     prompt = _prompts(1, 150, seed=3)[0]
     with _llm(model, tmp_path / "kv") as llm:
-        _computed(llm, prompt)
+        _run_counting_tokens(llm, prompt)
     old_folder = llm.engine.kv_cache.tier.store.folder
     other = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -345,13 +334,13 @@ def test_other_weights_at_the_same_path_never_read_the_old_blocks(tmp_path, tiny
     llm = _llm(model, tmp_path / "kv")
     new_folder = llm.engine.kv_cache.tier.store.folder
     assert new_folder != old_folder
-    expected = hf_greedy(model, prompt, 6)
-    assert _computed(llm, prompt) == (expected, 150 + 5)
+    expected = hf_greedy(model, prompt, 12)
+    assert _run_counting_tokens(llm, prompt) == (expected, 150 + 11)
     llm.close()
     shutil.rmtree(new_folder)
     shutil.copytree(old_folder, new_folder)  # the old blocks, under the new weights' namespace
     llm = _llm(model, tmp_path / "kv")
-    assert _computed(llm, prompt) == (expected, 150 + 5)
+    assert _run_counting_tokens(llm, prompt) == (expected, 150 + 11)
     assert llm.engine.kv_tier_stats["disk"]["rejected_files"] == 9  # each refused by its header's namespace
 
 
@@ -360,16 +349,16 @@ def test_engines_sharing_a_directory_write_through_find_each_others_blocks(tmp_p
     first still holds it in RAM (with the default policy nothing is on disk yet)."""
     prompt = _prompts(1, 150, seed=5)[0]
     evicting, reader = _llm(llama_dir, tmp_path / "evict"), _llm(llama_dir, tmp_path / "evict")
-    _computed(evicting, prompt)
-    assert _computed(reader, prompt)[1] == 150 + 5
+    _run_counting_tokens(evicting, prompt)
+    assert _run_counting_tokens(reader, prompt)[1] == 150 + 11
     first = _llm(llama_dir, tmp_path / "shared", kv_offload_policy="write-through")
     second = _llm(llama_dir, tmp_path / "shared", kv_offload_policy="write-through")
-    expected = hf_greedy(llama_dir, prompt, 6)
-    assert _computed(first, prompt) == (expected, 150 + 5)
+    expected = hf_greedy(llama_dir, prompt, 12)
+    assert _run_counting_tokens(first, prompt) == (expected, 150 + 11)
     first.engine.kv_cache.tier.store.flush()
-    assert _computed(second, prompt) == (expected, 6 + 5)
+    assert _run_counting_tokens(second, prompt) == (expected, 6 + 11)
     assert second.engine.kv_tier_stats["disk"]["restored_blocks"] == 9
-    assert first.engine.kv_tier_stats["disk"]["stored_blocks"] == 9
+    assert first.engine.kv_tier_stats["disk"]["stored_blocks"] == 10  # written as computed, answer included
 
 
 def test_bad_disk_tier_settings_are_named_errors(tmp_path, llama_dir):

@@ -3,8 +3,10 @@ router computes, the state actor's log, a router's view of it, and the routing r
 
 from __future__ import annotations
 
+import pytest
+
 from llmaccel.cluster.kv_index import BlockView, ClusterState, prompt_block_hashes, short_hash
-from llmaccel.cluster.routing import pick_replica
+from llmaccel.cluster.routing import pick_replica, shared_tier_value, with_shared_tier
 from llmaccel.engine.block_pool import BlockPool
 from llmaccel.engine.kv_cache_manager import KVCacheManager
 from llmaccel.engine.request import Request
@@ -93,3 +95,30 @@ def test_the_rule_prefers_the_holder_unless_it_is_too_busy():
     assert pick_replica({"r1": 2, "r2": 2}, {"r1": 4, "r2": 4}, 8) == ("r1", "affinity")  # a tie: by name
     assert pick_replica({"r1": 2, "r2": 1}, {"r1": 4, "r2": 4}, 8) == ("r2", "affinity")  # a tie: the lighter
     assert pick_replica({"r1": 0, "r2": 6}, {"r1": 1, "r2": 3}, 8) == ("r2", "affinity")  # more blocks win
+
+
+def test_a_shared_tier_makes_every_cached_block_reachable_at_its_measured_worth():
+    view = BlockView()
+    view.apply(1, [("a", [1, 2], [])], None)  # before the router knew of a shared tier: not counted as shared
+    view.shared_tier = True
+    view.apply(3, [("a", [3], []), ("b", [4], []), ("b", [], [4])], None)
+    assert view.matched("b", [4]) == 0  # evicted from b's RAM ...
+    assert view.matched_shared([3, 4, 5]) == 2  # ... but on the disk the replicas share
+    assert view.matched_shared([1, 2, 3]) == 0
+    matches = with_shared_tier({"a": 1, "b": 2, "c": 0}, 4, 0.9)
+    assert matches == pytest.approx({"a": 1 + 0.9 * 3, "b": 2 + 0.9 * 2, "c": 0.9 * 4})
+    busy = {"a": 0, "b": 20, "c": 1}  # b holds the most in RAM but is too busy; a holds one and reads three
+    assert pick_replica(busy, matches, imbalance=8) == ("a", "affinity")  # a: 3.7 against c: 3.6
+    assert shared_tier_value({"r1": {"kv_tier_block_value": 0.97}, "r2": {"kv_tier_block_value": 0.93},
+                              "r3": {"kv_tier_block_value": 0.95}}) == 0.95
+    assert shared_tier_value({"r1": {"kv_tier_block_value": None}}) == 0.5  # shared, not yet measured
+    assert shared_tier_value({"r1": {"running": 2}}) == 0.0  # no shared tier
+
+
+def test_the_shared_view_forgets_the_oldest_blocks_past_its_cap(monkeypatch):
+    view = BlockView()
+    monkeypatch.setattr(BlockView, "MAX_SHARED", 3)
+    view.shared_tier = True
+    view.apply(1, [("a", [1, 2, 3], [])], None)
+    view.apply(2, [("b", [1, 4], [])], None)  # 1 again: the most recent now; 2 is the oldest
+    assert list(view.shared) == [3, 1, 4]

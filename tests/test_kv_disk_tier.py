@@ -358,6 +358,8 @@ def test_engines_sharing_a_directory_write_through_find_each_others_blocks(tmp_p
     first.engine.kv_cache.tier.store.flush()
     assert _run_counting_tokens(second, prompt) == (expected, 6 + 11)
     assert second.engine.kv_tier_stats["disk"]["restored_blocks"] == 9
+    assert 0.0 < second.engine.kv_cache.tier.block_value() <= 1.0  # what the router weighs a shared block by
+    assert first.engine.kv_cache.tier.block_value() is None  # it has read nothing yet
     assert first.engine.kv_tier_stats["disk"]["stored_blocks"] == 10  # written as computed, answer included
 
 

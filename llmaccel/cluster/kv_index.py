@@ -103,11 +103,16 @@ class BlockView:
     replica never confirms (the request was aborted, or evicted at once) lapses after EXPECT_S."""
 
     EXPECT_S = 30.0
+    MAX_SHARED = 200_000  # block hashes remembered as on a shared disk tier (~20 MB), the oldest forgotten first
 
     def __init__(self) -> None:
         self.cursor = -1  # before the first pull: ask for a snapshot
         self.blocks: dict[str, set[int]] = {}
         self.expected: dict[str, dict[int, float]] = {}
+        # replicas sharing a disk tier written through (--kv-offload-policy write-through): every block any of them
+        # cached is in the tier, for any replica to read, after RAM has evicted it too
+        self.shared_tier = False
+        self.shared: dict[int, None] = {}
 
     def apply(self, cursor: int, entries: list | None, snapshot: dict[str, list[int]] | None) -> None:
         """Take one pull's answer. Routing tasks pull concurrently; an answer that ends no later
@@ -124,6 +129,8 @@ class BlockView:
             held = self.blocks.setdefault(replica, set())
             held.update(stored)
             held.difference_update(removed)
+            if self.shared_tier:
+                self._share(stored)
             expected = self.expected.get(replica)
             if expected:
                 for h in stored:
@@ -155,6 +162,22 @@ class BlockView:
                 count += 1
             else:
                 break
+        return count
+
+    def _share(self, stored: Iterable[int]) -> None:
+        for h in stored:
+            self.shared.pop(h, None)
+            self.shared[h] = None
+        while len(self.shared) > self.MAX_SHARED:
+            del self.shared[next(iter(self.shared))]
+
+    def matched_shared(self, hashes: Sequence[int]) -> int:
+        """How many of the prompt's leading blocks the shared disk tier holds, as far as this view knows."""
+        count = 0
+        for h in hashes:
+            if h not in self.shared:
+                break
+            count += 1
         return count
 
     def drop(self, replica: str) -> None:

@@ -113,8 +113,15 @@ class EngineReplica:
         return {"running": engine.num_running_seqs, "waiting": self.engine.num_waiting,
                 "kv_cache_usage": engine.kv_cache_usage, "prefix_queries": prefix.queries,
                 "prefix_hits": prefix.hits, "requests": self.requests, "generated_tokens": self.generated,
-                "preemptions": engine.num_preemptions, "pid": os.getpid(), **{
+                "preemptions": engine.num_preemptions, "pid": os.getpid(), **self._shared_tier(engine), **{
                     f"memory_{k}": v for k, v in engine.memory_bytes.items()}}
+
+    @staticmethod
+    def _shared_tier(engine) -> dict:
+        """With a disk tier written through (replicas share its directory), what one of its blocks is worth against
+        one in RAM (None until measured): the cache-aware router counts the blocks any replica computed by it."""
+        tier = engine.kv_cache.tier
+        return {"kv_tier_block_value": tier.block_value()} if tier is not None and tier.write_through else {}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""

@@ -5,7 +5,10 @@ KV blocks, among the replicas whose queue is not both `imbalance` requests and `
 longer than the shortest, so one hot prefix does not pile onto one replica (SGLang's router and Ray's
 PrefixCacheAffinityRouter fall back on load in the same way; routing.pick_replica is the rule).
 Which blocks a replica holds it knows from the replicas' own cache events (kv_index.py), not from a
-model of their caches. With no match anywhere, the shortest queue wins.
+model of their caches. With no match anywhere, the shortest queue wins. Where the replicas share a disk tier written
+through (--kv-offload-dir with --kv-offload-policy write-through), every block any of them cached is reachable from
+all: each counts past what a replica holds in RAM at the value the replicas measure (routing.with_shared_tier), so a
+busy holder of a prompt's prefix loses it to a lighter replica that will read it from disk.
 
 RoundRobinRouter: the baseline that knows nothing, for `bench multiturn --replicas`.
 """
@@ -43,6 +46,8 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._namespace = namespace
         self._state = None
         self._pulled = 0.0
+        self._stats_pulled = 0.0
+        self.shared_value = 0.0  # a shared disk tier's block against one in RAM (routing.shared_tier_value)
         # picks not yet sent: Ray's queue-length cache counts a request once it is sent, and a burst
         # of routing tasks would otherwise all see the same empty queues and pick the same replica
         self._unsent: dict[str, deque[float]] = {}
@@ -55,6 +60,12 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         cursor, entries, snapshot = await self._state.changes.remote(self.view.cursor)
         self.view.apply(cursor, entries, snapshot)
         self._pulled = time.monotonic()
+        if self._pulled - self._stats_pulled >= self.STATS_INTERVAL_S:
+            self._stats_pulled = self._pulled
+            self.shared_value = routing.shared_tier_value(await self._state.stats.remote())
+            self.view.shared_tier = self.shared_value > 0
+
+    STATS_INTERVAL_S = 1.0  # how often the replicas' measurements (a shared tier's worth) are read
 
     UNSENT_S = 2.0  # a pick that was never sent (another replica took the request) lapses
 
@@ -74,9 +85,13 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         by_name = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         loads = {name: self._load(name, r, now) for name, r in by_name.items()}
         hashes = call.block_hashes
-        matches = {name: self.view.matched(name, hashes) for name in by_name}
+        held = {name: self.view.matched(name, hashes) for name in by_name}
+        shared = self.view.matched_shared(hashes) if self.shared_value else 0
+        matches = routing.with_shared_tier(held, shared, self.shared_value) if shared else held
         best, why = routing.pick_replica(loads, matches, self.imbalance, self.imbalance_ratio)
-        routing.ROUTER_STATS.decided("cache_aware", why, matches[best], len(hashes))
+        if shared > held[best]:
+            why = "shared_tier"  # it reads what it lacks in RAM from the replicas' shared disk tier
+        routing.ROUTER_STATS.decided("cache_aware", why, held[best], len(hashes))
         self.view.expect(best, hashes)
         self._unsent.setdefault(best, deque()).append(now)
         rest = sorted((n for n in by_name if n != best), key=lambda n: (-matches[n], loads[n]))

@@ -51,6 +51,21 @@ def pick_replica(loads: dict[str, int], matches: dict[str, int], imbalance: int,
     return least, "balance" if any(matches.values()) else "no_match"
 
 
+def with_shared_tier(matches: dict[str, int], shared: int, value: float) -> dict[str, float]:
+    """Each replica's matched blocks with the blocks past them that a shared disk tier holds (`shared` leading blocks
+    in all), each counted at `value` of a block in RAM: the measured saving of reading one against computing it."""
+    return {name: held + value * max(0, shared - held) for name, held in matches.items()}
+
+
+def shared_tier_value(stats: dict[str, dict], unmeasured: float = 0.5) -> float:
+    """What the replicas measure a block on their shared tier to be worth (the median of those that have measured
+    it; `unmeasured` while none has); 0 when they share no tier."""
+    values = sorted(s["kv_tier_block_value"] for s in stats.values() if s.get("kv_tier_block_value") is not None)
+    if values:
+        return values[len(values) // 2]
+    return unmeasured if any("kv_tier_block_value" in s for s in stats.values()) else 0.0
+
+
 ROUTERS = {
     "cache-aware": "llmaccel.cluster.router:CacheAwareRouter",
     "round-robin": "llmaccel.cluster.router:RoundRobinRouter",

@@ -149,6 +149,16 @@ class KVOffload:
             return True
         return stats.load_seconds / stats.loaded_blocks < self.prefill_seconds_per_token * self.block_size
 
+    def block_value(self) -> float | None:
+        """What a block on this tier saves a request against one in RAM, as measured: 1 - the time to read it / the
+        time to compute it (the cache-aware router weighs a shared tier's blocks by it); None before both are
+        measured."""
+        stats = self.store.stats
+        if self.prefill_seconds_per_token is None or not stats.loaded_blocks:
+            return None
+        read = stats.load_seconds / stats.loaded_blocks
+        return max(0.0, 1.0 - read / (self.prefill_seconds_per_token * self.block_size))
+
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step that computed mostly prompt tokens: its time per token updates the prefill speed."""
         per_token = seconds / num_tokens

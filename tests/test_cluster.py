@@ -242,6 +242,40 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, ll
         line for line in log.read_text().splitlines() if "request" in line.lower() and "llmaccel" in line][-30:]
 
 
+def test_replicas_sharing_a_disk_tier_read_each_others_blocks_and_route_by_them(llama_dir, tmp_path):
+    """Two replicas with 24 blocks each and one write-through tier: eight 150-token prompts push each other out of
+    both pools; sent again, each finds its 9 whole blocks (in a RAM, or on the disk either replica wrote) and gives
+    the same tokens, and the router, knowing the tier, sends prompts no RAM holds by it."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    printable = [i for i in range(3, 300) if tokenizer.decode([i]).isprintable()]  # the ingress checks the text
+    rng = random.Random(0)
+    prompts = [[rng.choice(printable) for _ in range(150)] for _ in range(8)]
+    flags = ("--replicas", "2", "--num-kv-blocks", "24", "--kv-offload-dir", str(tmp_path / "kv"),
+             "--kv-offload-policy", "write-through")
+    with cluster_server(llama_dir, tmp_path / "serve.log", *flags) as url:
+        wait_for(lambda: len(replica_pids(url)) == 2, 30, "both replicas to report")
+        rounds = []
+        for _ in range(2):
+            answers = []
+            for prompt in prompts:
+                body = {"model": str(llama_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                        "ignore_eos": True, "result_cache": False}
+                answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+                assert "usage" in answer, answer
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                answers.append((answer["choices"][0]["text"], cached))
+            rounds.append(answers)
+            time.sleep(1.5)  # the replicas publish their blocks, and the router reads their stats, each second
+        text = metrics(url)
+    assert [a for a, _ in rounds[1]] == [a for a, _ in rounds[0]]
+    assert all(cached >= 144 for _, cached in rounds[1])
+    assert counter(text, "llmaccel_router_decisions_total", reason="shared_tier") >= 1
+
+
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(llama_dir, tmp_path):
     flags = ("--replicas", "1", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
              "--upscale-delay-s", "1", "--downscale-delay-s", "4", "--autoscale-window-s", "2", "--max-num-seqs", "2")

@@ -65,7 +65,7 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.shared_value = routing.shared_tier_value(await self._state.stats.remote())
             self.view.shared_tier = self.shared_value > 0
 
-    STATS_INTERVAL_S = 1.0  # how often the replicas' measurements (a shared tier's worth) are read
+    STATS_INTERVAL_S = 5.0  # how often the replicas' measurements (a shared tier's worth) are read
 
     UNSENT_S = 2.0  # a pick that was never sent (another replica took the request) lapses
 

@@ -132,8 +132,8 @@ class PriorityScheduler(Scheduler):
                 scheduled = out.scheduled[-1]
             if not request.output_token_ids:  # it computes (part of) its prompt
                 prefilling = rank(request) if prefilling is None else min(prefilling, rank(request))
-            given[request.owner] += scheduled.num_new_tokens + scheduled.num_draft_slots
-            budget -= scheduled.num_new_tokens + scheduled.num_draft_slots
+            given[request.owner] += scheduled.num_slots
+            budget -= scheduled.num_slots
         self._step_worst = max((rank(s.request) for s in out.scheduled), default=None)
         return out
 
@@ -141,7 +141,7 @@ class PriorityScheduler(Scheduler):
                failed: dict[str, BaseException] | None = None) -> list[Request]:
         served: dict[str, int] = defaultdict(int)
         for item in output.scheduled:
-            served[item.request.owner] += item.num_new_tokens + item.num_draft_slots
+            served[item.request.owner] += item.num_slots
         self.shares.record(served)
         return super().update(output, sampled, failed)
 

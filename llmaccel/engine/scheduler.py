@@ -38,6 +38,11 @@ class ScheduledRequest:
     num_draft_slots: int = 0  # decoding with speculation: slots for this many drafts after the new token
 
     @property
+    def num_slots(self) -> int:
+        """KV slots (and budget tokens) this step gives the request: its new tokens and its drafts."""
+        return self.num_new_tokens + self.num_draft_slots
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so its logits give a new token."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
@@ -50,7 +55,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_draft_slots for s in self.scheduled)
+        return sum(s.num_slots for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -91,7 +96,7 @@ class Scheduler:
             scheduled = self._grant(self.running[index], budget, out, lambda: self.running[-1])  # the newest
             if scheduled is None:
                 break  # it preempted itself: everything after it is gone as well
-            budget -= scheduled.num_new_tokens + scheduled.num_draft_slots
+            budget -= scheduled.num_slots
             index += 1
 
         # Admit waiting requests only in a step that preempted nobody: memory is short otherwise.

@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from llmaccel.bench.provenance import provenance
+from llmaccel.bench.serve_metrics import percentile
 from llmaccel.data.prompts import SYSTEM_PROMPT
 
 QUESTIONS = ["Summarize the text above in two sentences.", "Who or what is the text mainly about?",
@@ -115,14 +116,9 @@ def run_arm(args: argparse.Namespace, documents: list[str], offload_dir: Path | 
     returning = [t["ttft_s"] for t in turns if t["turn"] > 0]
     return {"arm": label, "turns": turns, "replies": replies, "tier": tier,
             "returning_ttft_p50_s": statistics.median(returning),
-            "returning_ttft_p99_s": _percentile(returning, 0.99),
+            "returning_ttft_p99_s": percentile(sorted(returning), 99),
             "returning_history_tokens_min": min(t["prompt_tokens"] for t in turns if t["turn"] > 0),
             "restart_hit_rate": hits / queries}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run(args: argparse.Namespace) -> int:

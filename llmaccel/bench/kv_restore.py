@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -32,6 +33,7 @@ from llmaccel.bench.provenance import provenance
 DEFAULT_LLAMA_SERVER = (Path.home() / ".cache/llmaccel/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
                         / "llama-server")
 NEW_TOKENS = 16
+VOCAB = 49152  # the default model's vocabulary: prompts are random ids in [100, VOCAB - 100)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def drop_page_cache() -> bool:
     """Write dirty pages out and drop the page cache; False where this process may not."""
-    import os
-
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -58,9 +58,9 @@ def drop_page_cache() -> bool:
     return True
 
 
-def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+def _prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+    return [rng.randrange(100, VOCAB - 100) for _ in range(length)]
 
 
 def _timed(client: httpx.Client, path: str, body: dict) -> tuple[float, dict]:
@@ -71,8 +71,6 @@ def _timed(client: httpx.Client, path: str, body: dict) -> tuple[float, dict]:
 
 
 def measure_llama_cpp(args: argparse.Namespace, gguf: Path, prompts: dict[int, list[int]], workdir: Path) -> dict:
-    import os
-
     from llmaccel.bench.servers import free_port, start_server, stop_server
 
     threads = args.threads or os.cpu_count()
@@ -92,7 +90,7 @@ def measure_llama_cpp(args: argparse.Namespace, gguf: Path, prompts: dict[int, l
                 if args.drop_caches:
                     drop_page_cache()
                 _, restored = _timed(client, "/slots/0?action=restore", {"filename": f"n{length}.bin"})
-                extra = _prompt(NEW_TOKENS, length + 1, 49152)
+                extra = _prompt(NEW_TOKENS, length + 1)
                 warm, answer = _timed(client, "/completion", {"prompt": ids + extra, "n_predict": 1,
                                                               "cache_prompt": True})
                 rows[length] = {"cold_ttft_s": cold, "save_ms": saved["timings"]["save_ms"],
@@ -140,10 +138,10 @@ def measure_llmaccel(args: argparse.Namespace, gguf: Path, prompts: dict[int, li
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
             on_disk = tier(client)
-            _timed(client, "/v1/completions", {"prompt": _prompt(32, 7, 49152), "max_tokens": 1})  # a first step
+            _timed(client, "/v1/completions", {"prompt": _prompt(32, 7), "max_tokens": 1})  # a first step
             for length, ids in prompts.items():
                 before = tier(client)
-                extra = _prompt(NEW_TOKENS, length + 1, 49152)
+                extra = _prompt(NEW_TOKENS, length + 1)
                 warm, answer = _timed(client, "/v1/completions", {"prompt": ids + extra, "max_tokens": 1})
                 after = tier(client)
                 loaded = after["loaded_blocks"] - before["loaded_blocks"]
@@ -170,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.llama_server.is_file():
         raise SystemExit(f"no llama-server at {args.llama_server}: build it with tools/peers.sh or pass --llama-server")
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = {length: _prompt(length, length, 49152) for length in lengths}
+    prompts = {length: _prompt(length, length) for length in lengths}
     with tempfile.TemporaryDirectory(prefix="llmaccel-kv-restore-") as scratch:
         workdir = Path(scratch)
         servers = {"llmaccel": measure_llmaccel(args, gguf, prompts, workdir),

@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
+from llmaccel.bench.serve import send_request
+from llmaccel.bench.serve_metrics import RequestResult, percentile
 from llmaccel.data.prompts import SYSTEM_PROMPT
 
 ROUTER_NAMES = ("cache-aware", "round-robin", "ray-prefix")
@@ -134,28 +136,18 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
     prompt_tokens = cached_tokens = generated = 0
     own_prompt = own_cached = 0  # past the prefix every conversation shares: what routing can change
     per_turn, replies, returning = [], [], []
-    limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=args.conversations)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        async def ask(c: int) -> dict:
+    connector = aiohttp.TCPConnector(limit=args.conversations, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
+                                     read_bufsize=2**20) as client:
+        async def ask(c: int) -> RequestResult:
             # min_tokens, not ignore_eos: an end-of-turn token mid-reply would vanish from the reply's text,
             # so the next turn's prompt would part from the cached blocks there, by chance, router by router
             body = {"messages": histories[c], "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            sent, first, text, usage = time.perf_counter(), None, [], None
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.is_error:  # the server's own words, not just the status
-                    await response.aread()
-                    raise RuntimeError(f"conversation {c}: HTTP {response.status_code}: {response.text[:500]}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices", []):
-                        if choice["delta"].get("content"):
-                            first = first or time.perf_counter()
-                            text.append(choice["delta"]["content"])
-            return {"usage": usage, "text": "".join(text), "ttft_s": (first or time.perf_counter()) - sent}
+            result = await send_request(client, url + "/v1/chat/completions", body, 0, None)
+            if result.error:  # the server's own words, not just the status
+                raise RuntimeError(f"conversation {c}: {result.error}")
+            return result
 
         start = time.perf_counter()
         for turn in range(args.turns):
@@ -170,17 +162,15 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
             answers = {c: await task for c, task in tasks.items()}
             turn_prompt = turn_cached = 0
             for c in range(args.conversations):
-                usage = answers[c]["usage"]
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                turn_prompt += usage["prompt_tokens"]
-                turn_cached += cached
-                own_prompt += usage["prompt_tokens"] - shared
-                own_cached += max(cached - shared, 0)
-                generated += usage["completion_tokens"]
-                reply = answers[c]["text"]
-                histories[c].append({"role": "assistant", "content": reply})
-                replies.append(reply)
-            ttfts = sorted(answers[c]["ttft_s"] for c in range(args.conversations))
+                answer = answers[c]
+                turn_prompt += answer.prompt_len
+                turn_cached += answer.cached_tokens
+                own_prompt += answer.prompt_len - shared
+                own_cached += max(answer.cached_tokens - shared, 0)
+                generated += answer.output_len
+                histories[c].append({"role": "assistant", "content": answer.generated_text})
+                replies.append(answer.generated_text)
+            ttfts = sorted(answers[c].ttft for c in range(args.conversations))
             per_turn.append({"prompt_tokens": turn_prompt, "cached_tokens": turn_cached,
                              "hit_rate": turn_cached / turn_prompt, "ttft_p50_s": statistics.median(ttfts),
                              "ttft_max_s": ttfts[-1]})
@@ -189,14 +179,15 @@ async def _conversations(url: str, args: argparse.Namespace, shared: int = 0) ->
             cached_tokens += turn_cached
         seconds = time.perf_counter() - start
         await asyncio.sleep(2.5)  # the replicas' counters reach the ingress every second
-        metrics = (await client.get("/metrics")).text
+        async with client.get(url + "/metrics") as response:
+            metrics = await response.text()
     spread = [float(v) for v in re.findall(r"^llmaccel_replica_requests_total\{[^}]*\} (\S+)$", metrics, re.M)]
     return {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens, "hit_rate": cached_tokens / prompt_tokens,
             "shared_prefix_tokens": shared, "own_hit_rate": own_cached / own_prompt,
             "prefill_tokens_computed": prompt_tokens - cached_tokens, "output_tokens": generated,
             "seconds": seconds, "output_tok_per_s": generated / seconds, "per_turn": per_turn,
             "returning_ttft_p50_s": statistics.median(returning) if returning else None,
-            "returning_ttft_p99_s": sorted(returning)[round(0.99 * (len(returning) - 1))] if returning else None,
+            "returning_ttft_p99_s": percentile(sorted(returning), 99) if returning else None,
             "requests_per_replica": spread, "replies": replies}
 
 

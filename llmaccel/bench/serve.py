@@ -138,6 +138,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict, pro
     if usage and usage.get("completion_tokens") is not None:
         result.output_len = usage["completion_tokens"]
         result.prompt_len = usage.get("prompt_tokens") or prompt_len
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     else:
         result.output_len = len(tokenizer.encode(result.generated_text, add_special_tokens=False))
     result.success = bool(text) or result.output_len == 0

@@ -27,6 +27,7 @@ class RequestResult:
     start_time: float = 0.0
     error: str = ""
     generated_text: str = ""
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
 
     @property
     def tpot(self) -> float | None:

@@ -119,11 +119,7 @@ class KVCacheManager:
             return found
         last = request.num_tokens - 1  # tokens that may come from the cache
         hashes = self._block_hashes(request, last // self.block_size)
-        for block_hash_ in hashes:
-            block_id = self.pool.lookup(block_hash_)
-            if block_id is None:
-                break
-            found.blocks.append(block_id)
+        self._extend_in_ram(hashes, found.blocks)
         if self.tier is not None and len(found.blocks) < len(hashes):
             found.loading = self._extend_from_tier(request, hashes, found.blocks)
             if found.loading:
@@ -153,12 +149,16 @@ class KVCacheManager:
             return True
         load, payloads = done
         self._restore(request, hashes, blocks, load.first, payloads)
-        for block_hash in hashes[len(blocks):]:
-            block_id = self.pool.lookup(block_hash)
+        self._extend_in_ram(hashes, blocks)
+        return False
+
+    def _extend_in_ram(self, hashes: list[bytes], blocks: list[int]) -> None:
+        """Append to `blocks` (the first len(blocks) of `hashes`' blocks) the cached blocks that follow them."""
+        for block_hash_ in hashes[len(blocks):]:
+            block_id = self.pool.lookup(block_hash_)
             if block_id is None:
                 break
             blocks.append(block_id)
-        return False
 
     def _restore(self, request: Request, hashes: list[bytes], blocks: list[int], first: int,
                  payloads: list[memoryview]) -> None:

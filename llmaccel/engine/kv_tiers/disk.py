@@ -12,8 +12,8 @@ directory (replicas of one model): each finds the others' files when it looks a 
 appears whole under its name, one process's eviction costs another at most a miss.
 
 Writes run on a thread of their own, reads on others (a run's blocks several at a time), so a burst of spills never
-delays a load. A write that fails (a full
-disk, a read-only directory) drops that block and is logged; the server does not notice otherwise.
+delays a load. A write that fails (a full disk, a read-only directory) drops that block and is logged; the server
+does not notice otherwise.
 """
 
 from __future__ import annotations
@@ -99,14 +99,16 @@ class DiskKVStore:
             if len(block_hash) == 32:
                 found.append((info.st_mtime_ns, block_hash, info.st_size))
         for _, block_hash, size in sorted(found):
-            self._index[block_hash] = size
-            self.stats.disk_bytes += size
-        self.stats.files = len(self._index)
+            self._add(block_hash, size)
         self._evict_over_capacity()
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
-            return block_hash in self._index or block_hash in self._pending
+            return self._known(block_hash)
+
+    def _known(self, block_hash: bytes) -> bool:
+        """Stored or queued to be (call under the lock)."""
+        return block_hash in self._index or block_hash in self._pending
 
     def count_run(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, are stored (or queued to be), by this process or by another on the
@@ -114,7 +116,7 @@ class DiskKVStore:
         with self._lock:
             count = 0
             for block_hash in hashes:
-                if block_hash not in self._index and block_hash not in self._pending and not self._discover(block_hash):
+                if not self._known(block_hash) and not self._discover(block_hash):
                     break
                 count += 1
             return count
@@ -125,10 +127,20 @@ class DiskKVStore:
             size = self._path(block_hash).stat().st_size
         except OSError:
             return False
+        self._add(block_hash, size)
+        return True
+
+    def _add(self, block_hash: bytes, size: int) -> None:
+        """Index a file of `size` bytes as the most recently used (call under the lock, or before threads)."""
         self._index[block_hash] = size
         self.stats.disk_bytes += size
         self.stats.files = len(self._index)
-        return True
+
+    def _drop(self, block_hash: bytes) -> None:
+        """Delete a block's file and forget it (call under the lock)."""
+        self._path(block_hash).unlink(missing_ok=True)
+        self.stats.disk_bytes -= self._index.pop(block_hash, 0)
+        self.stats.files = len(self._index)
 
     def _path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -139,7 +151,7 @@ class DiskKVStore:
         """Queue a block's payload to be written; False (nothing queued) when it is stored already or the
         queue is full."""
         with self._lock:
-            if block_hash in self._index or block_hash in self._pending:
+            if self._known(block_hash):
                 return False
             if sum(self._pending.values()) + len(payload) > MAX_PENDING_BYTES:
                 self.stats.dropped_blocks += 1
@@ -169,25 +181,19 @@ class DiskKVStore:
                 logger.warning("KV disk tier: could not write a block to %s (%s; %d failed writes so far): the "
                                "block is dropped, serving goes on", self.folder, exc, errors)
             return
-        size = HEADER.size + len(payload)
         with self._lock:
             self._pending.pop(block_hash, None)
-            self._index[block_hash] = size
+            self._add(block_hash, HEADER.size + len(payload))
             self.stats.stored_blocks += 1
             self.stats.stored_bytes += len(payload)
             self.stats.store_seconds += time.perf_counter() - began
-            self.stats.disk_bytes += size
-            self.stats.files = len(self._index)
             self._evict_over_capacity()
 
     def _evict_over_capacity(self) -> None:
         """Drop least recently used files until the store fits (call under the lock, or before threads)."""
         while self.stats.disk_bytes > self.capacity and self._index:
-            block_hash, size = self._index.popitem(last=False)
-            self._path(block_hash).unlink(missing_ok=True)
-            self.stats.disk_bytes -= size
+            self._drop(next(iter(self._index)))
             self.stats.evicted_files += 1
-        self.stats.files = len(self._index)
 
     def flush(self) -> None:
         """Wait for every queued write."""
@@ -232,13 +238,9 @@ class DiskKVStore:
         if problem is None:
             return data[HEADER.size:]
         logger.warning("KV disk tier: %s is %s; deleted, never used", path, problem)
-        path.unlink(missing_ok=True)
         with self._lock:
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self.stats.disk_bytes -= size
+            self._drop(block_hash)
             self.stats.rejected_files += 1
-            self.stats.files = len(self._index)
         return None
 
     def _check(self, data: memoryview, block_hash: bytes, payload_bytes: int) -> str | None:

@@ -143,11 +143,10 @@ class KVOffload:
             wait(futures, timeout, return_when=FIRST_COMPLETED)
 
     def worth_loading(self) -> bool:
-        """Whether reading a block is faster than computing it, as measured so far."""
-        stats = self.store.stats
-        if self.prefill_seconds_per_token is None or stats.loaded_blocks < 8:
-            return True
-        return stats.load_seconds / stats.loaded_blocks < self.prefill_seconds_per_token * self.block_size
+        """Whether reading a block is faster than computing it, as measured so far (loads go ahead until 8 blocks
+        have been read)."""
+        value = self.block_value()
+        return value is None or self.store.stats.loaded_blocks < 8 or value > 0
 
     def block_value(self) -> float | None:
         """What a block on this tier saves a request against one in RAM, as measured: 1 - the time to read it / the

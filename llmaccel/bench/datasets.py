@@ -1,4 +1,4 @@
-"""Prompt sets for the benchmarks: the built-in chat prompts, ShareGPT files, random token prompts
+"""Prompt sets for the benchmarks: the built-in chat prompts, the Chinese test bed, ShareGPT files, random token prompts
 (the prompt sources themselves live in data/prompts.py, below every package that reads them)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from llmaccel.data.prompts import builtin_prompts, read_sharegpt
 
-DATASETS = ("builtin", "sharegpt", "random")
+DATASETS = ("builtin", "chinese", "sharegpt", "random")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,27 @@ def builtin_requests(tokenizer, num_prompts: int, output_len: int | None = None)
         raise ValueError(f"the built-in set has {len(prompts)} prompts; ask for at most that many")
     return [SampleRequest(p.prompt, len(tokenizer.encode(p.prompt, add_special_tokens=False)),
                           output_len or p.output_len) for p in prompts[:num_prompts]]
+
+
+def chinese_requests(tokenizer, num_prompts: int, output_len: int | None = None, seed: int = 0,
+                     max_prompt_len: int = 2048) -> list[SampleRequest]:
+    """`num_prompts` of the Chinese test bed (data/chinese_prompts.py), in a seeded order; prompts over
+    `max_prompt_len` tokens are passed over."""
+    from llmaccel.data.chinese_prompts import chinese_prompts
+
+    prompts = chinese_prompts()
+    random.Random(seed).shuffle(prompts)
+    chosen: list[SampleRequest] = []
+    for start in range(0, len(prompts), 256):
+        batch = prompts[start:start + 256]
+        lengths = [len(ids) for ids in tokenizer([p.prompt for p in batch], add_special_tokens=False)["input_ids"]]
+        for item, length in zip(batch, lengths, strict=True):
+            if length <= max_prompt_len and len(chosen) < num_prompts:
+                chosen.append(SampleRequest(item.prompt, length, output_len or item.output_len))
+        if len(chosen) == num_prompts:
+            return chosen
+    raise ValueError(f"the Chinese test bed has {len(chosen)} prompts of at most {max_prompt_len} tokens; "
+                     "ask for fewer")
 
 
 def sharegpt_requests(path: Path, tokenizer, num_prompts: int, output_len: int | None = None,

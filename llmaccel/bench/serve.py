@@ -89,6 +89,8 @@ def sample_requests(args: argparse.Namespace, tokenizer) -> list[datasets.Sample
         raise ValueError("--num-prompts must be >= 1")
     if args.dataset == "builtin":
         return datasets.builtin_requests(tokenizer, args.num_prompts, args.output_len)
+    if args.dataset == "chinese":
+        return datasets.chinese_requests(tokenizer, args.num_prompts, args.output_len, args.seed)
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")

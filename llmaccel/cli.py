@@ -137,6 +137,10 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, qwen-7b) as "
      "an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),
+    ("seesaw", "seesaw", "every acceleration (float32, bf16, int8, int4, GGUF, INT8 KV, speculation, prefix caching, "
+     "a student and a cascade, batch sizes) side by side: speed against accuracy on known answers, perplexity, "
+     "agreement with float32 and diversity under sampling; a table, a plot and a recommended point",
+     "add_arguments", "run"),
     ("report", "headline", "the headline tables of docs/benchmarks.md from `bench compare` result files: one "
      "section per machine kind, W1 (side by side), W2, memory, start, date and commit", "add_arguments", "run"),
     ("report-offline", "report", "markdown table and a PNG bar chart from offline result files", "add_arguments",

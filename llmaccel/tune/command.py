@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -72,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=Path("tuned.yaml"),
                         help="the config file written for `llmaccel serve --config`")
     parser.add_argument("--result-dir", type=Path, default=Path("tune-results"),
-                        help="where the runs (tune.json) and the plot (tune-frontier.png) go")
+                        help="where the runs (tune.json), the plot (tune-frontier.png) and the servers' logs go")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip serving the winner once more, fresh from its config file")
 
@@ -95,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     pool_args = argparse.Namespace(**{"range_ratio": 0.0, **vars(args), "num_prompts": _pool_size(args)})
     slices = PromptSlices(bench_serve.sample_requests(pool_args, tokenizer), args.num_prompts, args.seed)
     args.result_dir.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="llmaccel-tune-"))
+    logs = args.result_dir / "server-logs"
+    logs.mkdir(exist_ok=True)
     space, start = _space(args), _defaults()
     runs: list[dict] = []
     bar = tqdm(total=1 + sum(len(values) for _, values in space.axes()), desc="tune", unit="config")

@@ -22,10 +22,9 @@ from llmaccel.bench import serve as bench_serve
 from llmaccel.bench.provenance import provenance
 from llmaccel.config import SchedulerConfig
 from llmaccel.config_file import write_config_file
-from llmaccel.data.prompts import builtin_prompts
 from llmaccel.platform import machine_record
 from llmaccel.tune import report
-from llmaccel.tune.runner import PromptSlices, candidate_runner, config_served, measure_at
+from llmaccel.tune.runner import RunPrompts, candidate_runner, config_served, measure_at
 from llmaccel.tune.search import VARIANTS, Candidate, SearchSpace, best_result, coordinate_search, count_runs
 from llmaccel.tune.slo import parse_slo
 
@@ -91,15 +90,15 @@ def run(args: argparse.Namespace) -> int:
     if args.rate_steps < 0 or args.passes < 1 or not 0 <= args.margin < 1:
         raise ValueError("--rate-steps must be >= 0, --passes >= 1 and --margin in [0, 1)")
     tokenizer = bench_serve.tokenizer_for(argparse.Namespace(tokenizer=None, model=args.model))
-    pool_args = argparse.Namespace(**{"range_ratio": 0.0, **vars(args), "num_prompts": _pool_size(args)})
-    slices = PromptSlices(bench_serve.sample_requests(pool_args, tokenizer), args.num_prompts, args.seed)
+    pool_args = argparse.Namespace(**{"range_ratio": 0.0, **vars(args), "num_prompts": args.num_prompts + 4})
+    prompts = RunPrompts(bench_serve.sample_requests(pool_args, tokenizer), args.num_prompts, args.seed)
     args.result_dir.mkdir(parents=True, exist_ok=True)
     logs = args.result_dir / "server-logs"
     logs.mkdir(exist_ok=True)
     space, start = _space(args), _defaults()
     runs: list[dict] = []
     bar = tqdm(total=1 + sum(len(values) for _, values in space.axes()), desc="tune", unit="config")
-    run_candidate = candidate_runner(args, tokenizer, slices, objectives, logs, runs, on_run=bar.write)
+    run_candidate = candidate_runner(args, tokenizer, prompts, objectives, logs, runs, on_run=bar.write)
     results = coordinate_search(space, start, run_candidate, passes=args.passes, on_result=lambda _: bar.update(1))
     bar.total = bar.n
     bar.close()
@@ -120,27 +119,18 @@ def run(args: argparse.Namespace) -> int:
     write_config_file(args.output, {"model": args.model, **best.candidate.config()},
                       report.config_comment(args, best, results[0], objectives))
     if not args.no_verify:
-        record["verification"] = _verify(args, tokenizer, slices, objectives, best.best_point.rate, logs)
+        record["verification"] = _verify(args, tokenizer, prompts, objectives, best.best_point.rate, logs)
     _write(args, record, results, objectives)
     print(report.summary(record))
     return 0 if record.get("verification", {}).get("met", True) else 1
 
 
-def _pool_size(args: argparse.Namespace) -> int:
-    """Prompts to draw: every run its own slice where the dataset has them (the built-in set has 200)."""
-    wanted = args.num_prompts * 40
-    if args.dataset == "builtin":
-        return min(wanted, len(builtin_prompts()))
-    return wanted
-
-
-def _verify(args: argparse.Namespace, tokenizer, slices: PromptSlices, objectives, rate: float,
+def _verify(args: argparse.Namespace, tokenizer, prompts: RunPrompts, objectives, rate: float,
             logs: Path) -> dict:
-    """Serve the written config file on a fresh server and send prompts no run sent, at the found rate."""
+    """Serve the written config file on a fresh server and send the runs' prompts at the found rate."""
     with config_served(args.output, args.serve_args, logs / "verify.log") as url:
-        measure_at(url, args, tokenizer, slices.slice(slices.count - 1)[:4], math.inf, objectives, "verify")
-        point, result = measure_at(url, args, tokenizer, slices.slice(slices.count - 2), rate, objectives,
-                                   "verify")
+        measure_at(url, args, tokenizer, prompts.warm_up, math.inf, objectives, "verify")
+        point, result = measure_at(url, args, tokenizer, prompts.run(0), rate, objectives, "verify")
     return {"config": str(args.output), "rate": rate if math.isfinite(rate) else "inf", "met": point.check.met,
             "throughput": point.throughput, "slo_values_ms": point.check.values_ms,
             "worst_ratio": point.check.worst_ratio, "p99_ttft_ms": result["p99_ttft_ms"],

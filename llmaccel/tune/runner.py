@@ -1,9 +1,5 @@
-"""The tuner's measurements: a server per configuration, bench serve runs at the rates the search asks for.
-
-Each run on a server takes the next unused slice of the prompt pool, so no run finds its prompts in the
-prefix cache a run before it filled (the server keeps its prefix cache on, as it would serve), and run k of
-every configuration sends the same prompts.
-"""
+"""The tuner's measurements: a server per configuration, bench serve runs at the rates the search asks for,
+every run with the same prompts (RunPrompts)."""
 
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ import math
 import random
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from llmaccel.bench import serve as bench_serve
@@ -23,26 +20,24 @@ from llmaccel.tune.search import Candidate, CandidateResult, RatePoint, rate_sea
 from llmaccel.tune.slo import Objective, check
 
 
-class PromptSlices:
-    """Disjoint slices of a shuffled prompt pool: slice k for a server's k-th run."""
+class RunPrompts:
+    """The prompts of every run: one set, shuffled once, so runs at other rates and on other configurations are
+    paired (same prompts, same arrival times). Run k of a server tags each prompt with "#k:" at its start, so no
+    run finds its prompts in the prefix cache a run before it filled (the shared chat-template prefix still
+    hits, as it does in serving)."""
 
     def __init__(self, pool: list[SampleRequest], size: int, seed: int = 0) -> None:
         if size < 1:
             raise ValueError("--num-prompts must be >= 1")
-        if len(pool) < size:
-            raise ValueError(f"the dataset has {len(pool)} prompts; --num-prompts {size} asks for more")
-        self.pool = list(pool)
-        random.Random(seed).shuffle(self.pool)
-        self.size = size
+        if len(pool) < size + 4:
+            raise ValueError(f"the dataset has {len(pool)} prompts; --num-prompts {size} needs {size + 4} (4 warm "
+                             "the server)")
+        shuffled = list(pool)
+        random.Random(seed).shuffle(shuffled)
+        self.measured, self.warm_up = shuffled[:size], shuffled[size:size + 4]
 
-    @property
-    def count(self) -> int:
-        return len(self.pool) // self.size
-
-    def slice(self, index: int) -> list[SampleRequest]:
-        """The index-th slice; past the last one they repeat (the prefix cache may then help)."""
-        start = (index % self.count) * self.size
-        return self.pool[start:start + self.size]
+    def run(self, index: int) -> list[SampleRequest]:
+        return [replace(r, prompt=f"#{index}: {r.prompt}", prompt_len=r.prompt_len + 3) for r in self.measured]
 
 
 def serve_command(model: str, candidate: Candidate, extra: list[str]) -> list[str]:
@@ -80,7 +75,7 @@ def measure_at(url: str, args: argparse.Namespace, tokenizer, requests: list[Sam
     return RatePoint(rate=rate, throughput=result["request_throughput"], check=outcome), result
 
 
-def candidate_runner(args: argparse.Namespace, tokenizer, slices: PromptSlices, objectives: tuple[Objective, ...],
+def candidate_runner(args: argparse.Namespace, tokenizer, prompts: RunPrompts, objectives: tuple[Objective, ...],
                      logs: Path, runs: list[dict], on_run: Callable[[str], None]
                      ) -> Callable[[Candidate, float | None], CandidateResult]:
     """The search's `run_candidate`: start the server, warm it, search its rates, stop it."""
@@ -91,13 +86,12 @@ def candidate_runner(args: argparse.Namespace, tokenizer, slices: PromptSlices, 
         log = logs / f"{_slug(label)}.log"
         try:
             with served(serve_command(args.model, candidate, extra), log) as url:
-                warm = slices.slice(slices.count - 1)[:4]  # the last slice: the search's runs take the first ones
-                measure_at(url, args, tokenizer, warm, math.inf, objectives, label)
+                measure_at(url, args, tokenizer, prompts.warm_up, math.inf, objectives, label)
                 count = 0
 
                 def measure(rate: float) -> RatePoint:
                     nonlocal count
-                    point, result = measure_at(url, args, tokenizer, slices.slice(count), rate, objectives, label)
+                    point, result = measure_at(url, args, tokenizer, prompts.run(count), rate, objectives, label)
                     count += 1
                     runs.append({"candidate": candidate.config(), "label": label, **_run_summary(point, result)})
                     on_run(f"{label} @ {_rate_text(rate)}: {point.throughput:.2f} req/s, "

@@ -1,7 +1,9 @@
 """The tuner's search, apart from any server: which configurations to try, at which arrival rates.
 
-A configuration's goodput at the SLO is the most requests per second it completed in a run that met the SLO
-(DistServe's "goodput": the highest rate served within the objectives). Finding it takes runs at several
+A configuration's goodput at the SLO is the highest arrival rate at which a run met the SLO (DistServe's
+"goodput": the most requests per second served within the objectives); for the run with every request sent at
+once, the rate it completed them at. Every run sends the same prompts at the same (seeded) arrival times,
+scaled to its rate, so two configurations are compared on the same load. Finding it takes runs at several
 arrival rates, so the search spends them where they can change the answer:
 
 - Per configuration (`rate_search`): the first one is run with every request at once (its capacity), then
@@ -63,6 +65,11 @@ class RatePoint:
     throughput: float  # completed requests per second over the run
     check: SLOCheck
 
+    @property
+    def served_rate(self) -> float:
+        """The arrival rate, or for a run sent all at once the rate its requests completed at."""
+        return self.throughput if math.isinf(self.rate) else self.rate
+
 
 @dataclass
 class CandidateResult:
@@ -72,13 +79,13 @@ class CandidateResult:
 
     @property
     def goodput(self) -> float:
-        """The highest throughput of a run that met the SLO (0 where none did)."""
-        return max((p.throughput for p in self.points if p.check.met), default=0.0)
+        """The highest rate of a run that met the SLO (0 where none did)."""
+        return max((p.served_rate for p in self.points if p.check.met), default=0.0)
 
     @property
     def best_point(self) -> RatePoint | None:
-        """The run that met the SLO at the highest throughput."""
-        return max((p for p in self.points if p.check.met), key=lambda p: p.throughput, default=None)
+        """The run that met the SLO at the highest rate."""
+        return max((p for p in self.points if p.check.met), key=lambda p: p.served_rate, default=None)
 
     @property
     def closest(self) -> RatePoint | None:

@@ -10,6 +10,7 @@ line's, so a flag given on the command line wins. Every value goes through the p
 from __future__ import annotations
 
 import argparse
+import difflib
 from pathlib import Path
 
 import yaml
@@ -32,16 +33,15 @@ def read_config_file(path: Path) -> dict[str, object]:
 
 def config_argv(parser: argparse.ArgumentParser, values: dict[str, object], source: str) -> list[str]:
     """The command-line words that set `values` on `parser` (a subcommand's parser)."""
-    actions = {action.dest: action for action in parser._actions if action.option_strings}
-    positional = {action.dest for action in parser._actions if not action.option_strings}
+    actions = {action.dest: action for action in parser._actions
+               if action.option_strings and action.dest not in ("help", "config")}
     words: list[str] = []
     for dest, value in values.items():
-        if dest in ("config", "help") or (dest not in actions and dest not in positional):
-            known = ", ".join(sorted(d.replace("_", "-") for d in actions if d not in ("help", "config")))
-            raise ValueError(f"--config {source}: {dest.replace('_', '-')!r} is not a flag of this command "
-                             f"(its flags: {known})")
-        if dest in positional:
-            raise ValueError(f"--config {source}: {dest!r} is positional; give it on the command line")
+        if dest not in actions:
+            near = difflib.get_close_matches(dest, list(actions), n=1)
+            hint = f" (did you mean {near[0].replace('_', '-')}?)" if near else ""
+            raise ValueError(f"--config {source}: {dest.replace('_', '-')!r} is not a flag of {parser.prog}{hint}; "
+                             f"`{parser.prog} --help` lists them")
         action = actions[dest]
         flag = max(action.option_strings, key=len)
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

@@ -142,7 +142,7 @@ def test_config_file_flags_and_the_command_line_winning(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ("max-num-seqs: [1, 2]\n", "takes one value, not a list"),
-    ("enable-prefix-caching: true\n", "'enable-prefix-caching' is not a flag of this command"),
+    ("enable-prefix-caching: true\n", "not a flag of llmaccel serve (did you mean no-prefix-caching?)"),
     ("no-ui: yes please\n", "is a switch; write true or false"),
     ("- max-num-seqs\n", "expected a mapping"),
     ("max-num-seqs: [\n", "not valid YAML"),

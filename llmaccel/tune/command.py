@@ -24,7 +24,7 @@ from llmaccel.config import SchedulerConfig
 from llmaccel.config_file import write_config_file
 from llmaccel.platform import machine_record
 from llmaccel.tune import report
-from llmaccel.tune.runner import RunPrompts, candidate_runner, config_served, measure_at
+from llmaccel.tune.runner import RunPrompts, candidate_runner, config_command, measure_at, serve_command, served
 from llmaccel.tune.search import VARIANTS, Candidate, SearchSpace, best_result, coordinate_search, count_runs
 from llmaccel.tune.slo import parse_slo
 
@@ -114,24 +114,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"no configuration met {args.slo} in {count_runs(results)} runs; {record['closest']}",
               file=sys.stderr)
         return 1
-    record.update(best=best.candidate.config(), best_goodput=best.goodput,
-                  goodput_ratio=best.goodput / results[0].goodput if results[0].goodput else math.inf)
+    defaults_goodput = results[0].goodput
+    if best is not results[0] and not args.no_verify:  # the defaults, fresh, at the winner's rate: do they miss?
+        record["head_to_head"] = _served_at(args, tokenizer, prompts, objectives, best.best_point.rate, logs,
+                                            serve_command(args.model, start, args.serve_args.split()), "defaults")
+        if record["head_to_head"]["met"]:
+            defaults_goodput = best.goodput
+    record.update(best=best.candidate.config(), best_goodput=best.goodput, defaults_goodput=defaults_goodput,
+                  goodput_ratio=best.goodput / defaults_goodput if defaults_goodput else math.inf)
     write_config_file(args.output, {"model": args.model, **best.candidate.config()},
                       report.config_comment(args, best, results[0], objectives))
     if not args.no_verify:
-        record["verification"] = _verify(args, tokenizer, prompts, objectives, best.best_point.rate, logs)
+        command = config_command(args.output, args.serve_args)
+        record["verification"] = _served_at(args, tokenizer, prompts, objectives, best.best_point.rate, logs,
+                                            command, "verify")
     _write(args, record, results, objectives)
     print(report.summary(record))
     return 0 if record.get("verification", {}).get("met", True) else 1
 
 
-def _verify(args: argparse.Namespace, tokenizer, prompts: RunPrompts, objectives, rate: float,
-            logs: Path) -> dict:
-    """Serve the written config file on a fresh server and send the runs' prompts at the found rate."""
-    with config_served(args.output, args.serve_args, logs / "verify.log") as url:
-        measure_at(url, args, tokenizer, prompts.warm_up, math.inf, objectives, "verify")
-        point, result = measure_at(url, args, tokenizer, prompts.run(0), rate, objectives, "verify")
-    return {"config": str(args.output), "rate": rate if math.isfinite(rate) else "inf", "met": point.check.met,
+def _served_at(args: argparse.Namespace, tokenizer, prompts: RunPrompts, objectives, rate: float, logs: Path,
+               command: list[str], label: str) -> dict:
+    """A fresh server started with `command`, sent the runs' prompts at `rate`: the winner from its config
+    file (does the SLO hold again?), and the defaults (do they miss where the winner met?)."""
+    with served(command, logs / f"{label}.log") as url:
+        measure_at(url, args, tokenizer, prompts.warm_up, math.inf, objectives, label)
+        point, result = measure_at(url, args, tokenizer, prompts.run(0), rate, objectives, label)
+    return {"command": " ".join(command[2:]), "rate": rate if math.isfinite(rate) else "inf", "met": point.check.met,
             "throughput": point.throughput, "slo_values_ms": point.check.values_ms,
             "worst_ratio": point.check.worst_ratio, "p99_ttft_ms": result["p99_ttft_ms"],
             "p99_tpot_ms": result["p99_tpot_ms"]}

@@ -53,14 +53,22 @@ def summary(record: dict) -> str:
         lines.append(f"| {item['label']} | {item['goodput']:.2f} | {item['runs']}{pruned} |")
     lines.append(f"best: {record['best']} at {record['best_goodput']:.2f} req/s, "
                  f"{record['goodput_ratio']:.2f}x the defaults ({record['defaults_goodput']:.2f} req/s)")
+    duel = record.get("head_to_head")
+    if duel:
+        lines.append(f"the defaults, fresh, at the winner's rate ({_rate_words(duel['rate'])}): "
+                     f"{'met the SLO too (the ratio counts them equal)' if duel['met'] else 'missed the SLO'} "
+                     f"({', '.join(f'{k} {v:.0f} ms' for k, v in duel['slo_values_ms'].items())})")
     verification = record.get("verification")
     if verification:
-        rate = verification["rate"]
-        rate = "all at once" if rate == "inf" else f"{rate:.2f} req/s"
-        lines.append(f"served again from {verification['config']}: "
+        rate = _rate_words(verification["rate"])
+        lines.append(f"served again from its config file ({verification['command']}): "
                      f"{'met' if verification['met'] else 'MISSED'} the SLO at {rate} "
                      f"({', '.join(f'{k} {v:.0f} ms' for k, v in verification['slo_values_ms'].items())})")
     return "\n".join(lines)
+
+
+def _rate_words(rate: float | str) -> str:
+    return "all at once" if rate == "inf" else f"{rate:.2f} req/s"
 
 
 def plot(results: list[CandidateResult], objectives: tuple[Objective, ...], path: Path) -> None:

@@ -57,11 +57,10 @@ def served(command: list[str], log: Path) -> Iterator[str]:
         stop_server(proc)
 
 
-def config_served(config: Path, serve_args: str, log: Path) -> contextlib.AbstractContextManager[str]:
+def config_command(config: Path, serve_args: str) -> list[str]:
     """`llmaccel serve --config FILE` (what a user runs with the tuner's file), result cache off as in the search."""
-    command = [sys.executable, "-m", "llmaccel.cli", "serve", "--config", str(config), "--no-result-cache",
-               *serve_args.split()]
-    return served(command, log)
+    return [sys.executable, "-m", "llmaccel.cli", "serve", "--config", str(config), "--no-result-cache",
+            *serve_args.split()]
 
 
 def measure_at(url: str, args: argparse.Namespace, tokenizer, requests: list[SampleRequest], rate: float,
@@ -98,7 +97,9 @@ def candidate_runner(args: argparse.Namespace, tokenizer, prompts: RunPrompts, o
                            f"{'met' if point.check.met else 'missed'} ({_values_text(point)})")
                     return point
 
-                points, pruned = rate_search(measure, beat, steps=args.rate_steps, margin=args.margin)
+                # the first configuration (the defaults) sets the bar every later one is probed at: two more steps
+                steps = args.rate_steps + (2 if beat is None else 0)
+                points, pruned = rate_search(measure, beat, steps=steps, margin=args.margin)
         except RuntimeError as exc:  # a configuration the server refuses (e.g. no memory) loses, the search goes on
             on_run(f"{label}: the server did not start ({str(exc).splitlines()[0]}); see {log}")
             return CandidateResult(candidate)

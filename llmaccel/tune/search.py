@@ -6,10 +6,11 @@ once, the rate it completed them at. Every run sends the same prompts at the sam
 scaled to its rate, so two configurations are compared on the same load. Finding it takes runs at several
 arrival rates, so the search spends them where they can change the answer:
 
-- Per configuration (`rate_search`): the first one is run with every request at once (its capacity), then
-  bisected between 0 and that capacity. Every later one is run first just above the best goodput so far; if
-  it misses the SLO there, it cannot win (a server that misses the SLO at a rate misses it at higher ones)
-  and costs one run. Only a configuration that passes there gets its capacity run and a bisection above.
+- Per configuration (`rate_search`): the first one is run with every request at once (the scale), then at
+  that rate, climbing 15% a run while it meets the SLO, then bisected between the last rate met and the
+  first missed. Every later one is run first just above the best goodput so far; if it misses the SLO
+  there, it cannot win (a server that misses the SLO at a rate misses it at higher ones) and costs one run.
+  Only a configuration that passes there climbs and is bisected above it.
 - Across configurations (`coordinate_search`): one flag at a time from the defaults, each flag's values with
   the others at the best found so far, then the next flag; a second pass while the first moved anything.
   The goodput surface over these flags is close to unimodal along each axis, which this exploits (vLLM's
@@ -105,29 +106,39 @@ class SearchSpace:
 
 
 def rate_search(measure: Callable[[float], RatePoint], beat: float | None, steps: int = 3,
-                margin: float = 0.05) -> tuple[list[RatePoint], bool]:
+                margin: float = 0.05, climb: float = 1.15, max_climbs: int = 4) -> tuple[list[RatePoint], bool]:
     """Runs at chosen arrival rates for one configuration; returns them and whether it was pruned.
 
-    `beat`: the best goodput so far (None for the first configuration). `steps`: bisection runs below the
-    capacity. `margin`: how much above `beat` a configuration must serve to count as better."""
+    `beat`: the best goodput so far (None for the first configuration, which is first run with every request at
+    once to find the scale). A run that meets the SLO is followed by one `climb` times faster until one misses
+    (paced arrivals can be served above the all-at-once rate), then `steps` bisection runs between the last met
+    and the first missed rate. `margin`: how much above `beat` a configuration must serve to count as better."""
     points: list[RatePoint] = []
-    low = 0.0
-    if beat is not None and beat > 0:
-        probe = measure(beat * (1 + margin))
-        points.append(probe)
-        if not probe.check.met:
+
+    def run(rate: float) -> RatePoint:
+        points.append(measure(rate))
+        return points[-1]
+
+    if beat is None or beat <= 0:
+        capacity = run(math.inf)
+        if capacity.check.met:
+            return points, False
+        low, rate = 0.0, capacity.throughput
+    else:
+        if not run(beat * (1 + margin)).check.met:
             return points, True
-        low = probe.rate
-    capacity = measure(math.inf)
-    points.append(capacity)
-    if capacity.check.met:
-        return points, False
-    high = capacity.throughput
-    for _ in range(steps):
-        if high <= low:
+        low, rate = points[-1].rate, points[-1].rate * climb
+    high = None
+    for _ in range(max_climbs + 1):
+        if run(rate).check.met:
+            low, rate = rate, rate * climb
+        else:
+            high = rate
             break
-        point = measure((low + high) / 2)
-        points.append(point)
+    if high is None:  # met at every rate tried: the last one is the goodput found
+        return points, False
+    for _ in range(steps):
+        point = run((low + high) / 2)
         if point.check.met:
             low = point.rate
         else:

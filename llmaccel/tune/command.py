@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         record["head_to_head"] = _served_at(args, tokenizer, prompts, objectives, best.best_point.rate, logs,
                                             serve_command(args.model, start, args.serve_args.split()), "defaults")
         if record["head_to_head"]["met"]:
-            defaults_goodput = best.goodput
+            defaults_goodput = max(defaults_goodput, record["head_to_head"]["goodput"])
     record.update(best=best.candidate.config(), best_goodput=best.goodput, defaults_goodput=defaults_goodput,
                   goodput_ratio=best.goodput / defaults_goodput if defaults_goodput else math.inf)
     write_config_file(args.output, {"model": args.model, **best.candidate.config()},
@@ -141,7 +141,7 @@ def _served_at(args: argparse.Namespace, tokenizer, prompts: RunPrompts, objecti
         measure_at(url, args, tokenizer, prompts.warm_up, math.inf, objectives, label)
         point, result = measure_at(url, args, tokenizer, prompts.run(0), rate, objectives, label)
     return {"command": " ".join(command[2:]), "rate": rate if math.isfinite(rate) else "inf", "met": point.check.met,
-            "throughput": point.throughput, "slo_values_ms": point.check.values_ms,
+            "throughput": point.throughput, "goodput": point.check.goodput, "slo_values_ms": point.check.values_ms,
             "worst_ratio": point.check.worst_ratio, "p99_ttft_ms": result["p99_ttft_ms"],
             "p99_tpot_ms": result["p99_tpot_ms"]}
 

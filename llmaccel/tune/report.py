@@ -1,5 +1,5 @@
 """The tuner's output: the record of each configuration, the config file's header, the summary printed at the
-end, and the frontier plot (each configuration's runs: arrival rate against how far from the SLO)."""
+end, and the frontier plot (each configuration's runs: goodput against how far from the SLO)."""
 
 from __future__ import annotations
 
@@ -76,13 +76,13 @@ def plot(results: list[CandidateResult], objectives: tuple[Objective, ...], path
     Right: each configuration's goodput, the defaults and the winner marked."""
     fig, (runs_ax, bars_ax) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=120)
     for result in results:
-        points = sorted(result.points, key=lambda p: p.served_rate)
+        points = sorted(result.points, key=lambda p: p.check.goodput)
         if points:
-            runs_ax.plot([p.served_rate for p in points], [p.check.worst_ratio for p in points], marker="o",
+            runs_ax.plot([p.check.goodput for p in points], [p.check.worst_ratio for p in points], marker="o",
                          label=str(result.candidate), alpha=0.8)
     runs_ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
     runs_ax.set_yscale("log")
-    runs_ax.set_xlabel("arrival rate, req/s (all at once: the rate completed)")
+    runs_ax.set_xlabel("goodput of the run: requests meeting every limit per second")
     runs_ax.set_ylabel("worst SLO value / limit (<= 1 met)")
     runs_ax.set_title(f"Runs against {', '.join(str(o) for o in objectives)}", fontsize=9)
     runs_ax.grid(alpha=0.3)

@@ -1,14 +1,15 @@
 """The tuner's search, apart from any server: which configurations to try, at which arrival rates.
 
-A configuration's goodput at the SLO is the highest arrival rate at which a run met the SLO (DistServe's
-"goodput": the most requests per second served within the objectives); for the run with every request sent at
-once, the rate it completed them at. Every run sends the same prompts at the same (seeded) arrival times,
-scaled to its rate, so two configurations are compared on the same load. Finding it takes runs at several
-arrival rates, so the search spends them where they can change the answer:
+A configuration's goodput at the SLO is its best run's goodput as `vllm bench serve --goodput` counts it: the
+requests that met every limit, per second of the run, over the runs that met the SLO's percentiles. It cannot
+exceed what the server completes, so a short run at an arrival rate the server cannot sustain (its queue
+still draining when the run ends) scores no higher than the rate it served. Every run sends the same prompts
+at the same (seeded) arrival times, scaled to its rate, so configurations are compared on the same load.
+Finding it takes runs at several arrival rates, so the search spends them where they can change the answer:
 
 - Per configuration (`rate_search`): the first one is run with every request at once (the scale), then at
   that rate, climbing 15% a run while it meets the SLO, then bisected between the last rate met and the
-  first missed. Every later one is run first just above the best goodput so far; if it misses the SLO
+  first missed. Every later one is run first just above the best run's arrival rate so far; if it misses the SLO
   there, it cannot win (a server that misses the SLO at a rate misses it at higher ones) and costs one run.
   Only a configuration that passes there climbs and is bisected above it.
 - Across configurations (`coordinate_search`): one flag at a time from the defaults, each flag's values with
@@ -66,10 +67,6 @@ class RatePoint:
     throughput: float  # completed requests per second over the run
     check: SLOCheck
 
-    @property
-    def served_rate(self) -> float:
-        """The arrival rate, or for a run sent all at once the rate its requests completed at."""
-        return self.throughput if math.isinf(self.rate) else self.rate
 
 
 @dataclass
@@ -80,13 +77,13 @@ class CandidateResult:
 
     @property
     def goodput(self) -> float:
-        """The highest rate of a run that met the SLO (0 where none did)."""
-        return max((p.served_rate for p in self.points if p.check.met), default=0.0)
+        """The highest goodput of a run that met the SLO (0 where none did)."""
+        return max((p.check.goodput for p in self.points if p.check.met), default=0.0)
 
     @property
     def best_point(self) -> RatePoint | None:
-        """The run that met the SLO at the highest rate."""
-        return max((p for p in self.points if p.check.met), key=lambda p: p.served_rate, default=None)
+        """The run that met the SLO with the highest goodput."""
+        return max((p for p in self.points if p.check.met), key=lambda p: p.check.goodput, default=None)
 
     @property
     def closest(self) -> RatePoint | None:
@@ -109,10 +106,11 @@ def rate_search(measure: Callable[[float], RatePoint], beat: float | None, steps
                 margin: float = 0.05, climb: float = 1.15, max_climbs: int = 4) -> tuple[list[RatePoint], bool]:
     """Runs at chosen arrival rates for one configuration; returns them and whether it was pruned.
 
-    `beat`: the best goodput so far (None for the first configuration, which is first run with every request at
-    once to find the scale). A run that meets the SLO is followed by one `climb` times faster until one misses
-    (paced arrivals can be served above the all-at-once rate), then `steps` bisection runs between the last met
-    and the first missed rate. `margin`: how much above `beat` a configuration must serve to count as better."""
+    `beat`: the arrival rate of the best configuration's best run so far (None for the first configuration,
+    which is first run with every request at once to find the scale). A run that meets the SLO is followed by
+    one `climb` times faster until one misses (paced arrivals can be served above the all-at-once rate), then
+    `steps` bisection runs between the last met and the first missed rate. `margin`: how much faster than
+    `beat` a configuration must meet the SLO to be searched further."""
     points: list[RatePoint] = []
 
     def run(rate: float) -> RatePoint:
@@ -125,8 +123,10 @@ def rate_search(measure: Callable[[float], RatePoint], beat: float | None, steps
             return points, False
         low, rate = 0.0, capacity.throughput
     else:
-        if not run(beat * (1 + margin)).check.met:
+        if not run(beat * (1 + margin)).check.met:  # beat may be inf: the best met every request at once
             return points, True
+        if math.isinf(beat):
+            return points, False
         low, rate = points[-1].rate, points[-1].rate * climb
     high = None
     for _ in range(max_climbs + 1):
@@ -155,8 +155,9 @@ def coordinate_search(space: SearchSpace, start: Candidate,
 
     def evaluate(candidate: Candidate) -> CandidateResult:
         if candidate not in tried:
-            best = max((r.goodput for r in tried.values()), default=0.0)
-            tried[candidate] = run_candidate(candidate, best if tried else None)
+            best = max(tried.values(), key=lambda r: r.goodput, default=None)
+            beat = best.best_point.rate if best is not None and best.best_point is not None else None
+            tried[candidate] = run_candidate(candidate, beat)
             if on_result is not None:
                 on_result(tried[candidate])
         return tried[candidate]

@@ -240,9 +240,11 @@ def _one(llm: LLM, question: Question, params: SamplingParams):
 
 
 def recommend(results: list[dict], max_drop: float, max_ppl_increase: float) -> str | None:
-    """The fastest arm (W2) within the accuracy and perplexity bounds of float32's."""
+    """The fastest configuration (W2) within the accuracy and perplexity bounds of float32's. The batching arms
+    are loads, not configurations, and the cascade has no W2: neither is recommended."""
     base = results[0]
-    fit = [r for r in results if "w2_tok_s" in r and r["accuracy"]["mean"] >= base["accuracy"]["mean"] - max_drop
+    fit = [r for r in results if "w2_tok_s" in r and not r["arm"].startswith("batch-")
+           and r["accuracy"]["mean"] >= base["accuracy"]["mean"] - max_drop
            and all(r["perplexity"][c] <= base["perplexity"][c] * (1 + max_ppl_increase) for c in base["perplexity"])]
     return max(fit, key=lambda r: r["w2_tok_s"])["arm"] if fit else None
 

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     record.update(best=best.candidate.config(), best_goodput=best.goodput, defaults_goodput=defaults_goodput,
                   goodput_ratio=best.goodput / defaults_goodput if defaults_goodput else math.inf)
     write_config_file(args.output, {"model": args.model, **best.candidate.config()},
-                      report.config_comment(args, best, results[0], objectives))
+                      report.config_comment(args, best, defaults_goodput, objectives))
     if not args.no_verify:
         command = config_command(args.output, args.serve_args)
         record["verification"] = _served_at(args, tokenizer, prompts, objectives, best.best_point.rate, logs,

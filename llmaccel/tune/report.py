@@ -1,5 +1,5 @@
 """The tuner's output: the record of each configuration, the config file's header, the summary printed at the
-end, and the frontier plot (each configuration's runs: goodput against how far from the SLO)."""
+end, and the frontier plot (each configuration's runs: arrival rate against how far from the SLO)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ def closest_text(results: list[CandidateResult], objectives: tuple[Objective, ..
             "tightest limit); relax the SLO, shorten the requests or serve a smaller model")
 
 
-def config_comment(args: argparse.Namespace, best: CandidateResult, defaults: CandidateResult,
+def config_comment(args: argparse.Namespace, best: CandidateResult, defaults_goodput: float,
                    objectives: tuple[Objective, ...]) -> str:
-    ratio = f"{best.goodput / defaults.goodput:.2f}x the defaults'" if defaults.goodput else "the defaults met none"
+    ratio = f"{best.goodput / defaults_goodput:.2f}x the defaults'" if defaults_goodput else "the defaults met none"
     return (f"written by llmaccel tune --slo \"{','.join(str(o) for o in objectives)}\" --dataset {args.dataset}\n"
-            f"goodput {best.goodput:.2f} req/s at the SLO ({ratio}, {defaults.goodput:.2f} req/s); "
+            f"goodput {best.goodput:.2f} req/s at the SLO ({ratio}, {defaults_goodput:.2f} req/s); "
             f"{args.num_prompts} requests a run\n"
             "serve it with: llmaccel serve --config THIS_FILE")
 
@@ -72,17 +72,18 @@ def _rate_words(rate: float | str) -> str:
 
 
 def plot(results: list[CandidateResult], objectives: tuple[Objective, ...], path: Path) -> None:
-    """Left: every run, served req/s against the worst value/limit ratio (below 1 met), a line a configuration.
+    """Left: every paced run, arrival rate against the worst value/limit ratio (below 1 met), a line a configuration.
     Right: each configuration's goodput, the defaults and the winner marked."""
     fig, (runs_ax, bars_ax) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=120)
-    for result in results:
-        points = sorted(result.points, key=lambda p: p.check.goodput)
+    colors = plt.get_cmap("tab20").colors
+    for index, result in enumerate(results):
+        points = sorted((p for p in result.points if math.isfinite(p.rate)), key=lambda p: p.rate)
         if points:
-            runs_ax.plot([p.check.goodput for p in points], [p.check.worst_ratio for p in points], marker="o",
-                         label=str(result.candidate), alpha=0.8)
+            runs_ax.plot([p.rate for p in points], [p.check.worst_ratio for p in points], marker="o",
+                         label=str(result.candidate), alpha=0.85, color=colors[index % len(colors)])
     runs_ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
     runs_ax.set_yscale("log")
-    runs_ax.set_xlabel("goodput of the run: requests meeting every limit per second")
+    runs_ax.set_xlabel("arrival rate (req/s)")
     runs_ax.set_ylabel("worst SLO value / limit (<= 1 met)")
     runs_ax.set_title(f"Runs against {', '.join(str(o) for o in objectives)}", fontsize=9)
     runs_ax.grid(alpha=0.3)

@@ -279,15 +279,17 @@ def plot(results: list[dict], chosen: str | None, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    for r in results:
-        if "w2_tok_s" not in r:
-            continue
+    fig, ax = plt.subplots(figsize=(9, 5.2), dpi=120)
+    points = sorted((r for r in results if "w2_tok_s" in r), key=lambda r: r["w2_tok_s"])
+    for index, r in enumerate(points):
         best = r["arm"] == chosen
-        ax.scatter(r["w2_tok_s"], r["accuracy"]["mean"], s=90 if best else 40,
+        ax.scatter(r["w2_tok_s"], r["accuracy"]["mean"], s=120 if best else 40,
                    color="tab:green" if best else "tab:blue", zorder=3, marker="*" if best else "o")
+        lift = 6 + 10 * (index % 3) if index % 2 else -12 - 10 * (index % 3)  # alternate labels up and down
         ax.annotate(r["arm"] + (" (recommended)" if best else ""), (r["w2_tok_s"], r["accuracy"]["mean"]),
-                    textcoords="offset points", xytext=(5, 4), fontsize=8)
+                    textcoords="offset points", xytext=(4, lift),
+                    fontsize=7, arrowprops={"arrowstyle": "-", "color": "0.6", "linewidth": 0.5})
+    ax.set_xscale("log")
     ax.set_xlabel("W2 output tok/s (64 requests x 64 tokens)")
     ax.set_ylabel("accuracy on known answers, mean of 3 sets (%)")
     ax.set_title("Speed against answers, per acceleration")

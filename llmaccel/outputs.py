@@ -31,6 +31,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    guard_verdict_time: float | None = None  # when the semantic input guard judged the prompt
     spec_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request ...
     spec_accepted_tokens: int = 0  # ... and kept
 

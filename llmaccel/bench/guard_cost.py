@@ -5,7 +5,8 @@ with the rules and the semantic guard (its classifier for the model, action coun
 of the load is refused). Each round runs `bench serve` at the concurrency against each, and against the
 rules-alone server a second time (the null arm: what noise alone gives), in rotated order; one server
 is measured at a time, the other idle. Reported: output tok/s per arm and the paired ratios against the
-rules alone, with seeded bootstrap intervals (bench/paired.py).
+rules alone, with seeded bootstrap intervals (bench/paired.py); and the time from a request's arrival to the
+guard's verdict on its prompt under that load, p50/p99, from the guarded server's histogram over the rounds.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
                     "rules + semantic guard": servers["on"][1]}
             for url in set(urls.values()):
                 _bench(url, args.model, "warm-up", argparse.Namespace(**{**vars(args), "output_len": 16}))
+            before = _verdict_buckets(httpx.get(servers["on"][1] + "/metrics").text)
             runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
             failures = 0
             for round_index in range(args.rounds):
@@ -81,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the guarded server ran no semantic guard: no classifier for {args.model}? "
                          "(train one: llmaccel safety train-guard)")
     summary = paired_summary(runs, "rules alone")
+    latency = verdict_latency(before, _verdict_buckets(verdicts))
     print(markdown_table(runs, summary, "rules alone", "output tok/s"))
     print("\n".join(judged))
+    print(f"time to a verdict under load ({latency['count']} prompts): p50 {latency['p50_ms']:.0f} ms, "
+          f"p99 {latency['p99_ms']:.0f} ms")
     if failures:
         print(f"{failures} requests failed", file=sys.stderr)
     if args.result_json:
@@ -90,5 +95,24 @@ def run(args: argparse.Namespace) -> int:
         args.result_json.write_text(json.dumps({
             "machine": describe(), "model": args.model, "concurrency": args.concurrency,
             "num_prompts": args.num_prompts, "output_len": args.output_len, "runs": runs,
-            "against_rules_alone": summary, "verdicts": judged, "failed_requests": failures}, indent=1) + "\n")
+            "against_rules_alone": summary, "verdicts": judged, "verdict_latency": latency,
+            "failed_requests": failures}, indent=1) + "\n")
     return 0 if not failures else 1
+
+
+def _verdict_buckets(text: str) -> dict[float, float]:
+    """The guard's verdict-time histogram in a /metrics page: cumulative count by upper bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "llmaccel_semantic_guard_verdict_seconds_bucket"}
+
+
+def verdict_latency(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """p50 and p99 (ms) of the verdicts between two scrapes, interpolated within buckets as Prometheus does."""
+    from llmaccel.server.stats import histogram_quantile
+
+    delta = sorted((bound, count - before.get(bound, 0.0)) for bound, count in after.items())
+    count = delta[-1][1] if delta else 0.0
+    p50, p99 = histogram_quantile(0.5, delta), histogram_quantile(0.99, delta)
+    return {"count": int(count), "p50_ms": 1000 * (p50 or 0.0), "p99_ms": 1000 * (p99 or 0.0)}

@@ -411,7 +411,7 @@ class LLMEngine:
             self.speculation.record_step(len(scheduled.scheduled), bool(drafting), num_new_tokens,
                                          time.perf_counter() - began, caught_up=caught_up)
         for request_id, judgement in results.judged.items():
-            self._judged(request_id, judgement, changed)
+            self._judged(request_id, judgement, changed, now)
         for request_id, vector in results.embeddings.items():  # an embedding request ends with its prompt
             group = self._sample_to_group[request_id]
             request = group.samples[0].request
@@ -435,11 +435,13 @@ class LLMEngine:
                 outputs.append(group.output(self.record_confidence))
         return outputs
 
-    def _judged(self, request_id: str, judgement: Judgement, changed: dict[str, RequestGroup]) -> None:
+    def _judged(self, request_id: str, judgement: Judgement, changed: dict[str, RequestGroup], now: float) -> None:
         """A prompt the semantic guard judged: a blocked one ends (every sample, no token), a flagged one is logged."""
+        group = self._sample_to_group[request_id]
+        if group.metrics.guard_verdict_time is None:
+            group.metrics.guard_verdict_time = now
         if judgement.verdict is Verdict.PASS:
             return
-        group = self._sample_to_group[request_id]
         if judgement.verdict is Verdict.FLAG:
             if self.config.guard.semantic_guard_action == "flag":
                 logger.warning("semantic guard flagged request %s (score %.3f >= %.3f); serving it", group.request_id,

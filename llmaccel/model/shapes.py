@@ -67,6 +67,8 @@ SHAPES = {shape.name: shape for shape in (
                rope_scaling=_LLAMA3_SCALING),
     ModelShape("llama-8b", "LlamaForCausalLM", 4096, 14336, 32, 32, 8, 128, False, 500000.0,
                "meta-llama/Llama-3.1-8B", rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
+    ModelShape("qwen-0.5b", "Qwen2ForCausalLM", 896, 4864, 24, 14, 2, 64, True, 1000000.0, "Qwen/Qwen2.5-0.5B",
+               max_position_embeddings=32768, qkv_bias=True),
     ModelShape("qwen-7b", "Qwen2ForCausalLM", 3584, 18944, 28, 28, 4, 128, False, 1000000.0, "Qwen/Qwen2.5-7B",
                max_position_embeddings=32768, qkv_bias=True),
 )}

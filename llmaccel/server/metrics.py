@@ -87,6 +87,11 @@ class ServerMetrics:
         self.input_filter_seconds = Histogram(PREFIX + "input_filter_seconds", "Input-filter time per text checked.",
                                               buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
                                               registry=r)
+        self.guard_verdict_seconds = Histogram(
+            PREFIX + "semantic_guard_verdict_seconds", "Time from a request's arrival to the semantic input guard's "
+            "verdict on its prompt (the end of its prefill).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5,
+                     10.0, 15.0, 20.0, 30.0, 60.0), registry=r)
         self.rate_limited = Counter(PREFIX + "rate_limited_requests", "Requests refused by a rate limit, by limit "
                                     "(requests, tokens).", ["limit"], registry=r)
         self.guard_checks = Counter(PREFIX + "guard_checks", "Continuations the output guard scored.", registry=r)
@@ -244,6 +249,8 @@ class RequestTracker:
             m.queue_time.observe(t.first_scheduled_time - t.arrival_time)
         if t.first_token_time is not None:
             m.time_to_first_token.observe(t.first_token_time - t.arrival_time)
+        if t.guard_verdict_time is not None:
+            m.guard_verdict_seconds.observe(t.guard_verdict_time - t.arrival_time)
         if not out.finished or t.finished_time is None:
             return
         for completion in out.outputs:

@@ -5,6 +5,7 @@ classifier that never saw it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmaccel.safety.guard_train import (
@@ -88,3 +89,15 @@ def test_each_set_weighs_one_over_the_square_root_of_its_size():
     _, labels, weights = _training_data(sets, "mean", lambda s, i: True)
     assert weights[0] == 60 ** -0.5 and weights[-1] == 200 ** -0.5
     assert int(labels.sum()) == 60 + 60 + 50 + 50
+
+
+def test_the_tradeoff_curve_counts_recall_over_trained_attack_sets_only():
+    from llmaccel.bench.semantic_guard import tradeoff
+
+    (name,) = EVALUATION_ONLY
+    sets = [_set("family-a", True, 2, None, 1), _set(name, True, 2, None, 2), _set("ordinary-a", False, 2, None, 3)]
+    scores = {"family-a": torch.tensor([0.9, 0.1]), name: torch.tensor([0.0, 0.0]),
+              "ordinary-a": torch.tensor([0.2, 0.3])}
+    hits = {s.name: [False, False] for s in sets}
+    top = max(tradeoff(sets, scores, hits), key=lambda p: p["threshold"])
+    assert top["threshold"] == pytest.approx(0.9) and top["recall_semantic"] == 0.5 and top["fp_semantic"] == 0.0

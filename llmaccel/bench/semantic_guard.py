@@ -48,8 +48,12 @@ def evaluate(model: str, guard: str, rule_check, lengths: list[int], samples: in
 
 
 def tradeoff(sets, scores: dict[str, torch.Tensor], hits: dict[str, list[bool]]) -> list[dict]:
-    """(threshold, false positives and recall of the semantic stage alone and of both) at 200 thresholds."""
-    attack = [(h, v) for s in sets if s.is_attack for h, v in zip(hits[s.name], scores[s.name].tolist(), strict=True)]
+    """(threshold, false positives and recall of the semantic stage alone and of both) at 200 thresholds; recall
+    over the trained attack sets (the evaluation-only ones are an unseen family, reported per set)."""
+    from llmaccel.safety.guard_train import EVALUATION_ONLY
+
+    attack = [(h, v) for s in sets if s.is_attack and s.name not in EVALUATION_ONLY
+              for h, v in zip(hits[s.name], scores[s.name].tolist(), strict=True)]
     benign = [(h, v) for s in sets if not s.is_attack for h, v in zip(hits[s.name], scores[s.name].tolist(),
                                                                        strict=True)]
     every = sorted({v for _, v in attack + benign})
@@ -100,8 +104,10 @@ def pass_latency(engine, classifier, prompts: list[list[int]], lengths: list[int
 
 def format_rows(report: dict) -> str:
     lines = ["| set | prompts | rules | semantic (held out) | both |", "|---|---|---|---|---|"]
+    from llmaccel.safety.guard_train import EVALUATION_ONLY
+
     for row in report["sets"]:
-        kind = "jailbreak" if row["attack"] else "ordinary"
+        kind = ("unseen" if row["set"] in EVALUATION_ONLY else "jailbreak") if row["attack"] else "ordinary"
         lines.append(f"| {kind}: {row['set']} | {row['prompts']} | {row['rules']:.1%} | {row['semantic']:.1%} | "
                      f"{row['both']:.1%} |")
     totals = report["totals"]

@@ -67,3 +67,18 @@ def test_near_duplicates_across_sets_are_found_both_ways_and_the_logistic_fit_se
     mean, scale, weight, bias = fit_logistic(torch.tensor([[0.0], [1.0], [2.0], [3.0]]), torch.tensor([0, 0, 1, 1]))
     logits = ((torch.tensor([[0.0], [3.0]]) - mean) / scale) @ weight + bias
     assert logits[0] < 0 < logits[1]
+
+
+def test_guard_cost_reads_the_verdicts_between_two_scrapes_off_the_metrics_page():
+    from llmaccel.bench.guard_cost import _verdict_buckets, verdict_latency
+    from llmaccel.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.guard_verdict_seconds.observe(9.0)  # before the rounds: left out
+    before = _verdict_buckets(metrics.render().decode())
+    for seconds in [0.12] * 99 + [2.5]:
+        metrics.guard_verdict_seconds.observe(seconds)
+    latency = verdict_latency(before, _verdict_buckets(metrics.render().decode()))
+    assert latency["count"] == 100
+    assert 100 < latency["p50_ms"] <= 150  # inside the (0.1, 0.15] bucket
+    assert 100 < latency["p99_ms"] <= 150  # the 99th of 100 is still a 0.12 s verdict

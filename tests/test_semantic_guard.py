@@ -11,13 +11,13 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmaccel.config import EngineConfig
 from llmaccel.engine.engine import LLMEngine
 from llmaccel.llm import LLM
 from llmaccel.safety.semantic_guard import GuardClassifier, GuardFileError, probe_features, render_prompt
 from llmaccel.sampling_params import SamplingParams
+from llmaccel.server.metrics import parse_metrics
 from tests.live_server import MODEL_NAME, live_server
 from tests.tiny_models import hf_greedy
 
@@ -153,7 +153,7 @@ def test_the_server_refuses_a_blocked_prompt_with_400_before_any_chunk_and_serve
         assert 'llmaccel_semantic_guard_verdicts_total{verdict="pass"} 1.0' in metrics
         assert 'llmaccel_rejected_requests_total{reason="content_filter"} 2.0' in metrics
         # the served prompt's time to its verdict: observed once, and before its request ended
-        samples = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
+        samples = {name: sum(values.values()) for name, values in parse_metrics(metrics).items()}
         assert samples["llmaccel_semantic_guard_verdict_seconds_count"] == 1.0
         assert 0 < samples["llmaccel_semantic_guard_verdict_seconds_sum"] <= samples[
             "llmaccel_e2e_request_latency_seconds_sum"]

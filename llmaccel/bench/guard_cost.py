@@ -102,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _verdict_buckets(text: str) -> dict[float, float]:
     """The guard's verdict-time histogram in a /metrics page: cumulative count by upper bound."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from llmaccel.server.metrics import parse_metrics
+    from llmaccel.server.stats import histogram_buckets
 
-    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == "llmaccel_semantic_guard_verdict_seconds_bucket"}
+    return dict(histogram_buckets(parse_metrics(text), "semantic_guard_verdict_seconds"))
 
 
 def verdict_latency(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:

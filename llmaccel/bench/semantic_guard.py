@@ -103,9 +103,9 @@ def pass_latency(engine, classifier, prompts: list[list[int]], lengths: list[int
 
 
 def format_rows(report: dict) -> str:
-    lines = ["| set | prompts | rules | semantic (held out) | both |", "|---|---|---|---|---|"]
     from llmaccel.safety.guard_train import EVALUATION_ONLY
 
+    lines = ["| set | prompts | rules | semantic (held out) | both |", "|---|---|---|---|---|"]
     for row in report["sets"]:
         kind = ("unseen" if row["set"] in EVALUATION_ONLY else "jailbreak") if row["attack"] else "ordinary"
         lines.append(f"| {kind}: {row['set']} | {row['prompts']} | {row['rules']:.1%} | {row['semantic']:.1%} | "

@@ -161,13 +161,15 @@ ORDINARY_FOLDS = 5
 
 
 def held_out_scores(sets: list[LabelledFeatures], pooling: str, l2: float = 1e-2, ordinary: str = "folds",
-                    seed: int = 0) -> dict[str, torch.Tensor]:
+                    seed: int = 0, duplicates: dict[str, set[tuple[str, int]]] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """Every prompt's score from a classifier that never saw it (the module docstring): each attack set from
     one trained without it and its near duplicates; the ordinary prompts by ORDINARY_FOLDS-fold cross-
-    validation (`ordinary="folds"`) or, stricter, each ordinary set held out whole (`ordinary="sets"`)."""
+    validation (`ordinary="folds"`) or, stricter, each ordinary set held out whole (`ordinary="sets"`).
+    `duplicates`: near_duplicates(sets), when the caller already has it (it compares every pair of prompts)."""
     import random
 
-    duplicates = near_duplicates(sets)
+    duplicates = near_duplicates(sets) if duplicates is None else duplicates
     rng = random.Random(seed)
     fold = {(s.name, i): rng.randrange(ORDINARY_FOLDS) for s in sets if not s.is_attack for i in range(len(s.texts))}
     out: dict[str, torch.Tensor] = {}
@@ -258,6 +260,7 @@ def run(args) -> int:
 
     from llmaccel.config import EngineConfig
     from llmaccel.engine.engine import LLMEngine
+    from llmaccel.platform import describe
     from llmaccel.safety.input_filter import InputFilter
     from llmaccel.safety.rules import load_rules
     from llmaccel.safety.semantic_guard import probe_features, trained_guard_path
@@ -280,11 +283,12 @@ def run(args) -> int:
     extract_seconds = time.perf_counter() - started
     check = InputFilter(load_rules(["default"])).check
     rule_hits = {s.name: [check(t).blocked_by is not None for t in s.texts] for s in sets}
-    scores = held_out_scores(sets, args.pooling, args.l2, args.ordinary_held_out)
+    duplicates = near_duplicates(sets)
+    scores = held_out_scores(sets, args.pooling, args.l2, args.ordinary_held_out, duplicates=duplicates)
     threshold = choose_threshold(sets, scores, rule_hits, args.max_false_positives)
     report = evaluation(sets, scores, rule_hits, threshold)
     other = "sets" if args.ordinary_held_out == "folds" else "folds"
-    other_scores = held_out_scores(sets, args.pooling, args.l2, other)
+    other_scores = held_out_scores(sets, args.pooling, args.l2, other, duplicates=duplicates)
     report["totals"][f"false_positives_{other}_held_out"] = evaluation(
         sets, other_scores, rule_hits, threshold)["totals"]["false_positives_both"]
     probe = probe_features(engine.scorer, engine.tokenizer, layers, args.pooling)
@@ -293,8 +297,6 @@ def run(args) -> int:
                                   args.pooling, threshold, probe, args.l2)
     output = args.output or trained_guard_path(args.model)
     classifier.save(output, {"held_out": report["totals"]})
-    from llmaccel.platform import describe
-
     report["run"] = {"model": args.model, "layers": list(layers), "l2": args.l2, "machine": describe(),
                      "prompts": sum(len(s.texts) for s in sets), "feature_seconds": round(extract_seconds, 1),
                      "fit_seconds": round(time.perf_counter() - started - extract_seconds, 1),

@@ -66,7 +66,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return lower_bound
 
 
-def _buckets(samples: Samples, metric: str) -> list[tuple[float, float]]:
+def histogram_buckets(samples: Samples, metric: str) -> list[tuple[float, float]]:
     rows = [(float(dict(labels)["le"]), value) for labels, value in samples.get(P + metric + "_bucket", {}).items()]
     return sorted(rows)
 
@@ -123,10 +123,10 @@ class DashboardStats:
             window_hit_rate = dh / dq if dq > 0 else None
         latency = {}
         for key, metric in LATENCIES.items():
-            now_buckets = _buckets(s, metric)
+            now_buckets = histogram_buckets(s, metric)
             entry: dict[str, float | None] = {}
             if lat is not None:
-                old = dict(_buckets(lat.samples, metric))
+                old = dict(histogram_buckets(lat.samples, metric))
                 delta = [(bound, count - old.get(bound, 0.0)) for bound, count in now_buckets]
                 for q in QUANTILES:
                     value = histogram_quantile(q, delta)

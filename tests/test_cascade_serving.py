@@ -193,10 +193,11 @@ def test_each_prompt_has_its_route_and_a_stored_result_says_cache(models):
 
 
 def test_a_deadline_passed_while_deciding_is_a_504_and_frees_every_block(models):
-    """The small model has not reached its 400th token when the request's 0.2 s are up: a 504 with
-    OpenAI's error JSON, streamed or not (a stream has sent nothing yet), and nothing left in either engine."""
+    """The small model has not reached its 400th token when the request's 0.02 s are up: a 504 with
+    OpenAI's error JSON, streamed or not (a stream has sent nothing yet), and nothing left in either engine.
+    (At 0.2 s a quiet Zen 5 decoded all 500 tokens first: 400 tokens of the tiny model take about 0.15 s.)"""
     with live_server(models["large"], small_dir=models["small"], cascade_threshold=float("-inf"),
-                     cascade_decide_tokens=400, request_timeout=0.2, engine_options=FLOAT32) as server:
+                     cascade_decide_tokens=400, request_timeout=0.02, engine_options=FLOAT32) as server:
         for stream in (False, True):
             response = httpx.post(server.url + "/v1/chat/completions", json={
                 "messages": MESSAGES, "max_tokens": 500, "ignore_eos": True, "stream": stream})

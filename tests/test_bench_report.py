@@ -39,13 +39,13 @@ def test_report_groups_tables_by_machine_kind_with_side_by_side_ratios(tmp_path,
         "| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's | W2 tok/s, "
         "llmaccel's best over the best peer's | the best peer's |",
         "|---|---|---|---|---|---|",
-        "| AMD EPYC, AVX2, 2 cores | llama-3b | **1.50x**: 9 (Q8_0) | 6 (llama.cpp-Q8_0) | **1.62x**: 21.2 (Q8_0) | "
-        "13.1 (llama.cpp-Q8_0) |",
+        "| AMD EPYC Zen 3, AVX2, 2 cores | llama-3b | **1.50x**: 9 (Q8_0) | 6 (llama.cpp-Q8_0) | "
+        "**1.62x**: 21.2 (Q8_0) | 13.1 (llama.cpp-Q8_0) |",
         "| Intel(R) Xeon(R) Processor, AMX, 2 cores | llama-3b | 30 (default) | no peer | 800 (default) | no peer |",
         "",
     ]
     assert out.splitlines()[5:14] == [
-        "### AMD EPYC, AVX2, 2 cores",
+        "### AMD EPYC Zen 3, AVX2, 2 cores",
         "",
         f"**llama-3b**: 2026-12-05T07:00Z, commit abc1234, [3b-zen3.json]({zen3})",
         "",
@@ -69,7 +69,7 @@ def test_update_rewrites_only_the_part_between_the_markers(tmp_path, capsys):
     assert main(["bench", "report", result, "--update", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith(f"# Benchmarks\n\nintro\n\n{BEGIN}\n| machine | model |")
-    assert "\n\n### AMD EPYC, AVX2, 2 cores\n" in text
+    assert "\n\n### AMD EPYC Zen 3, AVX2, 2 cores\n" in text
     assert text.endswith(f"{END}\n\n## Details\n")
     assert "old table" not in text and "[r.json](results/r.json)" in text  # linked from the doc's folder
     assert main(["bench", "report", result, "--update", str(doc)]) == 0
@@ -89,11 +89,11 @@ def test_tables_into_keeps_the_doc_to_the_answer_and_links_the_rest(tmp_path, ca
                                "| machine | model | W1 tok/s, llmaccel's best over the best peer's | the best peer's "
                                "| W2 tok/s, llmaccel's best over the best peer's | the best peer's |\n"
                                "|---|---|---|---|---|---|\n"
-                               "| AMD EPYC, AVX2, 2 cores | llama-3b | 10 (default) | no peer | 50 (default) "
+                               "| AMD EPYC Zen 3, AVX2, 2 cores | llama-3b | 10 (default) | no peer | 50 (default) "
                                "| no peer |\n\n"
                                f"Every server of each run: [more/peers.md](more/peers.md).\n{END}\n")
     text = tables.read_text()
-    assert text.startswith(f"# Every run\n\n{BEGIN}\n### AMD EPYC, AVX2, 2 cores\n")
+    assert text.startswith(f"# Every run\n\n{BEGIN}\n### AMD EPYC Zen 3, AVX2, 2 cores\n")
     assert "[r.json](../results/r.json)" in text and "| llmaccel | 10 |  | 50 | 2 | 5 |" in text
     assert main(["bench", "report", result, "--tables-into", str(tables)]) == 2
     assert "--tables-into FILE2 goes with --update FILE" in capsys.readouterr().err
@@ -117,5 +117,21 @@ def test_a_ratio_where_llmaccel_trails_is_not_bold(tmp_path, capsys):
     ])
     assert main(["bench", "report", behind]) == 0
     assert capsys.readouterr().out.splitlines()[2] == (
-        "| AMD EPYC, AVX2, 2 cores | llama-3b | 0.91x: 16 (Q4_K_M) | 17.5 (llama.cpp-Q4_K_M) | **2.50x**: 65 (Q4_K_M) "
-        "| 26 (llama.cpp-Q4_K_M) |")
+        "| AMD EPYC Zen 3, AVX2, 2 cores | llama-3b | 0.91x: 16 (Q4_K_M) | 17.5 (llama.cpp-Q4_K_M) | "
+        "**2.50x**: 65 (Q4_K_M) | 26 (llama.cpp-Q4_K_M) |")
+
+
+def test_zen4_and_zen5_runs_are_kinds_of_their_own(tmp_path, capsys):
+    """Both have AVX512-BF16 and VNNI: only the family/model tells them (and their speeds) apart."""
+    features = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"]
+    zen4 = write(tmp_path / "zen4.json", {"cpu": "AMD EPYC", "cpu_family_model": "25/17", "cores": 2,
+                                          "features": features}, [system("llmaccel", [10.0], 50.0, 2.0, 5.0, [])])
+    zen5 = write(tmp_path / "zen5.json", {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "cores": 2,
+                                          "features": features}, [system("llmaccel", [12.0], 60.0, 2.0, 5.0, [])])
+    unknown = write(tmp_path / "old.json", {"cpu": "AMD EPYC", "cores": 2, "features": features},
+                    [system("llmaccel", [11.0], 55.0, 2.0, 5.0, [])])
+    assert main(["bench", "report", zen4, zen5, unknown]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:5]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| AMD EPYC Zen 4, AVX512-BF16, 2 cores", "| AMD EPYC Zen 5, AVX512-BF16, 2 cores",
+        "| AMD EPYC, AVX512-BF16, 2 cores"]

@@ -37,12 +37,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine_kind(machine: dict) -> str:
-    """e.g. 'AMD EPYC, AVX2, 2 cores': the CPU, the best instruction set its kernels use, its cores (older
-    result files carry no family/model, so the kind goes by what decides kernel speed)."""
+    """e.g. 'AMD EPYC Zen 4, AVX512-BF16, 2 cores': the CPU (an AMD one's generation where the file carries its
+    family/model: Zen 4 and Zen 5 share their instruction sets, not their speeds), the best instruction set its
+    kernels use, its cores (older result files carry no family/model: the kind goes by the instruction set)."""
     features = set(machine.get("features") or ())
     level = next((name for flag, name in _LEVELS if flag in features), "no AVX2")
     gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
-    return f"{machine.get('cpu', 'unknown CPU')}, {level}, {machine.get('cores', '?')} cores{gpu}"
+    cpu = machine.get("cpu", "unknown CPU")
+    generation = amd_generation(cpu, machine.get("cpu_family_model"))
+    return f"{cpu}{' ' + generation if generation else ''}, {level}, {machine.get('cores', '?')} cores{gpu}"
+
+
+def amd_generation(cpu: str, family_model: str | None) -> str | None:
+    """'Zen 3', 'Zen 4' or 'Zen 5' from an AMD CPU's family/model ('25/17'), by AMD's published model ranges
+    (family 0x19: Zen 3 at models 0x00-0x0f and 0x20-0x5f, Zen 4 at 0x10-0x1f, 0x60-0x7f and 0xa0-0xaf;
+    family 0x1a: Zen 5); None for other CPUs or numbers."""
+    try:
+        family, model = (int(part) for part in str(family_model).split("/"))
+    except ValueError:
+        return None
+    if "AMD" not in cpu:
+        return None
+    if family == 0x1A:
+        return "Zen 5"
+    if family == 0x19:
+        if model < 0x10 or 0x20 <= model < 0x60:
+            return "Zen 3"
+        if model < 0x20 or 0x60 <= model < 0x80 or 0xA0 <= model < 0xB0:
+            return "Zen 4"
+    return None
 
 
 def _model_name(model: object) -> str:

@@ -204,11 +204,11 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, ll
                         first_chunk.setdefault(i, time.monotonic())
         return ("error: " + error) if error else "ok", tokens
 
-    # 24 a replica, each with n=2 filling both of its sequence slots for a second or so: the last ones
+    # 48 a replica, each with n=2 filling both of its sequence slots for a second or so: the last ones
     # start long after the kill, though the ingress hands requests on only as fast as two busy cores let
     # it and /metrics, read under that load, can be seconds late (with 16 a replica, a fresh clone's
-    # first run once saw every request start before the kill landed)
-    count = 48
+    # first run once saw every request start before the kill landed; with 24, a quiet Zen 5 did, 1 run in 6)
+    count = 96
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(one, i) for i in range(count)]
         def busy_replica() -> int | None:  # one running some requests with more queued behind them
@@ -236,9 +236,12 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, ll
              "a replacement replica")
     done = httpx.post(url + "/v1/completions", json={"prompt": "Still there?", "max_tokens": 4}, timeout=60)
     assert done.status_code == 200
-    # the victim's running requests end with an error event, its queued ones were sent again
-    assert any(outcome != "ok" for outcome, _ in results)
-    assert counter(metrics(url), "llmaccel_router_retries_total") >= 1, [
+    # the kill landed on work: the victim's running requests ended with an error event, or its queued ones were
+    # sent again (on a fast machine the ones running when /metrics was read can finish before the kill lands:
+    # a quiet Zen 5 once saw every stream end whole)
+    cut = [outcome for outcome, _ in results if outcome != "ok"]
+    retries = counter(metrics(url), "llmaccel_router_retries_total")
+    assert cut or retries >= 1, [
         line for line in log.read_text().splitlines() if "request" in line.lower() and "llmaccel" in line][-30:]
 
 

@@ -46,6 +46,26 @@ def cpu_family_model() -> str | None:
     return f"{fields['cpu family']}/{fields['model']}"
 
 
+def amd_generation(cpu: str, family_model: str | None) -> str | None:
+    """'Zen 3', 'Zen 4' or 'Zen 5' from an AMD CPU's family/model ('25/17'), by AMD's published model ranges
+    (family 0x19: Zen 3 at models 0x00-0x0f and 0x20-0x5f, Zen 4 at 0x10-0x1f, 0x60-0x7f and 0xa0-0xaf;
+    family 0x1a: Zen 5); None for other CPUs or numbers."""
+    try:
+        family, model = (int(part) for part in str(family_model).split("/"))
+    except ValueError:
+        return None
+    if "AMD" not in cpu:
+        return None
+    if family == 0x1A:
+        return "Zen 5"
+    if family == 0x19:
+        if model < 0x10 or 0x20 <= model < 0x60:
+            return "Zen 3"
+        if model < 0x20 or 0x60 <= model < 0x80 or 0xA0 <= model < 0xB0:
+            return "Zen 4"
+    return None
+
+
 def cpu_model() -> str:
     return _first_cpu().get("model name") or _platform.processor() or _platform.machine()
 

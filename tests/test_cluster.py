@@ -180,14 +180,21 @@ def test_the_second_turn_reaches_the_first_turns_replica_and_hits_its_cache(two_
     assert affinity >= 4  # every second turn was routed for its prefix
 
 
-def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, llama_dir):
-    url, log = two_replicas
-    tokens_each = 1000  # with the prompt, within the tiny model's 1024 positions
-    pids = replica_pids(url)
+def test_a_killed_replica_loses_no_request_that_had_not_started(tmp_path):
+    """Two replicas of the default model, each running one request at a time (n=2 fills its two sequence
+    slots for two seconds or so of decoding), 14 requests queued on them. One replica is killed while it holds
+    queued requests and both replicas have just begun streaming one: its running answer ends with an error
+    event, its queued ones are sent again to the other, and every request that had not started is served whole.
+
+    The replicas are the bottleneck here, so the kill lands on work whatever the machine's speed (with the
+    tiny model the ingress was: the replicas sat idle between requests and the victim, chosen from /metrics
+    read seconds late, could hold nothing by the time it was killed)."""
+    tokens_each, count = 128, 14
     first_chunk: dict[int, float] = {}  # request -> when its first chunk arrived
+    finished: set[int] = set()
     lock = threading.Lock()
 
-    def one(i: int) -> tuple[str, int]:
+    def one(url: str, i: int) -> tuple[str, int]:
         body = {"prompt": f"Request number {i} says", "max_tokens": tokens_each, "n": 2, "ignore_eos": True,
                 "stream": True, "result_cache": False, "stream_options": {"include_usage": True}}
         tokens, error = 0, None
@@ -202,47 +209,49 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(two_replicas, ll
                 with lock:
                     if chunk["choices"]:
                         first_chunk.setdefault(i, time.monotonic())
+        with lock:
+            finished.add(i)
         return ("error: " + error) if error else "ok", tokens
 
-    # 48 a replica, each with n=2 filling both of its sequence slots for a second or so: the last ones
-    # start long after the kill, though the ingress hands requests on only as fast as two busy cores let
-    # it and /metrics, read under that load, can be seconds late (with 16 a replica, a fresh clone's
-    # first run once saw every request start before the kill landed; with 24, a quiet Zen 5 did, 1 run in 6)
-    count = 96
-    with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(one, i) for i in range(count)]
-        def busy_replica() -> int | None:  # one running some requests with more queued behind them
-            text = metrics(url)
-            for replica, pid in pids.items():
-                if (counter(text, "llmaccel_replica_num_requests_waiting", replica=replica) >= 2
-                        and counter(text, "llmaccel_replica_num_requests_running", replica=replica) >= 1):
-                    return pid
-            return None
+    def both_streaming() -> bool:
+        """Two answers under way, both begun in the last second: a replica runs one request at a time, so
+        they are one on each, and each has most of its tokens still to come."""
+        now = time.monotonic()
+        with lock:
+            under_way = [t for i, t in first_chunk.items() if i not in finished]
+        return len(under_way) == 2 and all(now - t < 1.0 for t in under_way)
 
-        victim = wait_for(busy_replica, 60, "a replica with requests running and waiting")
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        results = [f.result(timeout=180) for f in futures]  # nothing hangs
-    # not started: no chunk until well after the kill (a chunk sent just before it may still be on its way)
-    not_started = [i for i in range(count) if first_chunk.get(i, float("inf")) > killed_at + 0.5]
-    assert not_started, ("every request had started before the kill: the test proves nothing",
-                         sorted(round(t - killed_at, 2) for t in first_chunk.values()))
-    for i in not_started:  # queued on the dead replica, or elsewhere: all served whole
-        assert results[i] == ("ok", 2 * tokens_each), (i, results[i])
-    for i, (outcome, _) in enumerate(results):
-        assert outcome == "ok" or "stopped mid-answer" in outcome, (i, outcome)
-    # Ray Serve replaces the replica; the cluster serves on
-    wait_for(lambda: len(replica_pids(url)) == 2 and victim not in replica_pids(url).values(), 90,
-             "a replacement replica")
-    done = httpx.post(url + "/v1/completions", json={"prompt": "Still there?", "max_tokens": 4}, timeout=60)
-    assert done.status_code == 200
-    # the kill landed on work: the victim's running requests ended with an error event, or its queued ones were
-    # sent again (on a fast machine the ones running when /metrics was read can finish before the kill lands:
-    # a quiet Zen 5 once saw every stream end whole)
-    cut = [outcome for outcome, _ in results if outcome != "ok"]
-    retries = counter(metrics(url), "llmaccel_router_retries_total")
-    assert cut or retries >= 1, [
-        line for line in log.read_text().splitlines() if "request" in line.lower() and "llmaccel" in line][-30:]
+    log = tmp_path / "serve.log"
+    with cluster_server("smollm2-135m", log, "--replicas", "2", "--max-num-seqs", "2") as url:
+        wait_for(lambda: len(replica_pids(url)) == 2, 30, "both replicas to report")
+        pids = replica_pids(url)
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            futures = [pool.submit(one, url, i) for i in range(count)]
+
+            def queueing_replica() -> int | None:  # two requests or more queued (n=2: two sequences each)
+                text = metrics(url)
+                return next((pid for replica, pid in pids.items() if counter(
+                    text, "llmaccel_replica_num_requests_waiting", replica=replica) >= 4), None)
+
+            victim = wait_for(queueing_replica, 60, "a replica with requests queued")
+            wait_until(both_streaming, 60, "both replicas to begin an answer", interval=0.01)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = [f.result(timeout=180) for f in futures]  # nothing hangs
+        # not started: no chunk until well after the kill (a chunk sent just before it may still be on its way)
+        not_started = [i for i in range(count) if first_chunk.get(i, float("inf")) > killed_at + 0.5]
+        assert len(not_started) >= 3, sorted(round(t - killed_at, 2) for t in first_chunk.values())
+        for i in not_started:  # queued on the dead replica, or on the other: all served whole
+            assert results[i] == ("ok", 2 * tokens_each), (i, results[i])
+        cut = [outcome for outcome, _ in results if outcome != "ok"]
+        assert len(cut) == 1 and "stopped mid-answer" in cut[0], results  # the victim's running answer
+        retries = counter(metrics(url), "llmaccel_router_retries_total")
+        assert retries >= 1, log.read_text()[-3000:]  # its queued requests, sent again
+        # Ray Serve replaces the replica; the cluster serves on
+        wait_for(lambda: len(replica_pids(url)) == 2 and victim not in replica_pids(url).values(), 90,
+                 "a replacement replica")
+        done = httpx.post(url + "/v1/completions", json={"prompt": "Still there?", "max_tokens": 4}, timeout=60)
+        assert done.status_code == 200
 
 
 def test_replicas_sharing_a_disk_tier_read_each_others_blocks_and_route_by_them(llama_dir, tmp_path):

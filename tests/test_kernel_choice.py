@@ -162,9 +162,9 @@ def test_the_decode_buckets_are_timed_over_every_layers_weights(tmp_path, monkey
     every = first + [torch.randn(48, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)]
     passes = []
 
-    def one_pass(kernel, rows, weights):  # onednn reads a whole pass fastest; everything else is timed as it is
+    def one_pass(kernels, rows, weights):  # onednn reads a whole pass fastest; everything else is timed as it is
         passes.append((rows, [tuple(w.plain.shape) for w in weights], weights[0].plain is first[0]))
-        return 1e-6 if kernel == "onednn" else 1.0
+        return {kernel: 1e-6 if kernel == "onednn" else 1.0 for kernel in kernels}
 
     monkeypatch.setattr(kernel_choice, "_pass_seconds", one_pass)
     layers, _ = tune_bf16(first, None, every)
@@ -174,6 +174,22 @@ def test_the_decode_buckets_are_timed_over_every_layers_weights(tmp_path, monkey
     # a millionth of a second a pass outweighs every other bucket: the plain layout, and onednn at 1-16 rows
     assert layers.layout == "plain" and {layers.kernel(r) for r in decode} == {"onednn"}
     assert list((tmp_path / "kernel_choice").glob("bf16-decode4-*.json"))  # cached apart from one layer's timing
+
+
+def test_kernels_are_timed_taking_turns_and_each_gets_its_median(monkeypatch):
+    """A bandwidth flip lands on every kernel alike: one warm-up call each, then rounds in rotated order."""
+    clock, calls = [0.0], []
+    cost = {"a": [9.0, 1.0, 2.0, 3.0], "b": [5.0, 5.0, 5.0, 50.0], "c": [7.0, 6.0, 8.0, 7.0]}  # each round's
+
+    def run_once(kernel: str) -> None:
+        calls.append(kernel)
+        timed = [k for k in calls[3:] if k == kernel]  # after the three warm-up calls
+        clock[0] += cost[kernel][len(timed) - 1] if timed else 100.0
+
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: clock[0])
+    medians = kernel_choice._interleaved_seconds(("a", "b", "c"), run_once, rounds=4)
+    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert medians == {"a": 3.0, "b": 5.0, "c": 7.0}  # the upper median of four; no warm-up call counted
 
 
 def test_a_forced_kernel_this_cpu_lacks_is_named(monkeypatch):

@@ -28,6 +28,7 @@ result is cached per machine, torch, kernel build and shapes, so the next start 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -225,15 +226,21 @@ class _QuantizedWeight:
         return self.module.block_product(x, kernel)
 
 
-def _median_seconds(kernel: str, x: torch.Tensor, weight: _Weight | _QuantizedWeight) -> float:
-    weight.run(kernel, x)  # warm: oneDNN builds its primitive, caches fill
-    repeats = 5 if x.shape[0] * weight.plain.numel() < 64 * 4_000_000 else 3
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        weight.run(kernel, x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _interleaved_seconds(kernels: tuple[str, ...], run_once: Callable[[str], None], rounds: int) -> dict[str, float]:
+    """Each kernel's median time of `run_once(kernel)`, the kernels taking turns round by round (the order
+    rotated each round) after one warm-up call each (oneDNN builds its primitive, caches fill). In turns, not
+    one kernel's repeats after another's: this VM's read bandwidth flips between ~50 and ~83 GB/s within
+    seconds (a 2-core Zen 5), and timed back to back a flip landed on one kernel's repeats alone (the compact
+    layout's 4-row pass once read 0.58x the plain one's speed; taking turns, 0.9-1.25x)."""
+    for kernel in kernels:
+        run_once(kernel)
+    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    for r in range(rounds):
+        for kernel in kernels[r % len(kernels):] + kernels[:r % len(kernels)]:
+            start = time.perf_counter()
+            run_once(kernel)
+            times[kernel].append(time.perf_counter() - start)
+    return {kernel: sorted(t)[len(t) // 2] for kernel, t in times.items()}
 
 
 def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> str | None:
@@ -250,17 +257,16 @@ def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> st
     return None
 
 
-def _pass_seconds(kernel: str, rows: int, weights: list) -> float:
-    """The median time of one pass of `kernel` over every weight in turn, at `rows` rows (after a pass
-    that warms it up), as a decode step makes one."""
+def _run_all(calls: list[tuple], kernel: str) -> None:
+    for weight, x in calls:
+        weight.run(kernel, x)
+
+
+def _pass_seconds(kernels: tuple[str, ...], rows: int, weights: list) -> dict[str, float]:
+    """Each kernel's median time of one pass over every weight in turn at `rows` rows, as a decode step makes
+    one, the kernels taking turns."""
     xs = {w.plain.shape[1]: torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights}
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        for w in weights:
-            w.run(kernel, xs[w.plain.shape[1]])
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[1]
+    return _interleaved_seconds(kernels, functools.partial(_run_all, [(w, xs[w.plain.shape[1]]) for w in weights]), 4)
 
 
 def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], timings: dict,
@@ -273,10 +279,11 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
         xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
         usable = [k for k in kernels if k not in few_rows_only or rows <= STREAM_MAX_ROWS]
         if decode_weights and rows <= DECODE_ROWS:
-            totals = {kernel: _pass_seconds(kernel, rows, decode_weights) for kernel in usable}
-        else:
-            totals = {kernel: sum(_median_seconds(kernel, x, w) for x, w in zip(xs, weights, strict=True))
-                      for kernel in usable}
+            totals = _pass_seconds(tuple(usable), rows, decode_weights)
+        else:  # one layer's projections (or the head), each once a turn
+            repeats = 5 if rows * sum(w.plain.numel() for w in weights) < 64 * 4_000_000 else 3
+            calls = list(zip(weights, xs, strict=True))
+            totals = _interleaved_seconds(tuple(usable), functools.partial(_run_all, calls), repeats)
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         for layout in best:
             names = [k for k in totals if kernel_layout(k) == layout]
@@ -305,7 +312,8 @@ def _cache_path(shapes: list[tuple[int, ...]], kind: str, offered: tuple[str, ..
     """Where a timing is cached: per machine, torch, kernel build, weight kind, shapes and the kernels timed."""
     kernels = load_cpu_kernels()
     key = json.dumps([cpu_model(), sorted(cpu_features()), torch.__version__, torch.get_num_threads(),
-                      kernels_id(kernels), shapes, LAYER_BUCKETS, DECODE_ROWS, "layouts-compact", sorted(offered)])
+                      kernels_id(kernels), shapes, LAYER_BUCKETS, DECODE_ROWS, "layouts-compact", "interleaved",
+                      sorted(offered)])
     return default_cache_dir() / "kernel_choice" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

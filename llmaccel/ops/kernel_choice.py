@@ -276,13 +276,12 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
     the buckets up to DECODE_ROWS are timed over a pass through all of them instead."""
     best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": [], "compact": []}
     for rows in buckets:
-        xs = [torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16) for w in weights]
         usable = [k for k in kernels if k not in few_rows_only or rows <= STREAM_MAX_ROWS]
         if decode_weights and rows <= DECODE_ROWS:
             totals = _pass_seconds(tuple(usable), rows, decode_weights)
         else:  # one layer's projections (or the head), each once a turn
             repeats = 5 if rows * sum(w.plain.numel() for w in weights) < 64 * 4_000_000 else 3
-            calls = list(zip(weights, xs, strict=True))
+            calls = [(w, torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16)) for w in weights]
             totals = _interleaved_seconds(tuple(usable), functools.partial(_run_all, calls), repeats)
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         for layout in best:

@@ -134,6 +134,9 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
     ("bf16-layouts", "bf16_layouts", "the plain and the compact (12 bits a weight, lossless) bf16 layouts' kernels "
      "on a published shape's projections, from memory, in alternating rounds: ms, GB/s, speedup",
      "add_arguments", "run"),
+    ("load-memory", "load_memory", "what `llmaccel serve` holds at start, per model: peak and resident memory when "
+     "/health answers, weight and KV pool bytes, against weights + KV pool + 15%, and seconds to serve",
+     "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, "
      "qwen-0.5b/7b) as an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",
      "add_arguments", "run"),

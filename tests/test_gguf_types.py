@@ -214,8 +214,8 @@ def test_without_the_cpu_kernels_the_files_tensors_run_on_torchs(llama256, tmp_p
 
 @needs_kernels
 def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(llama256, tmp_path, tiny_tokenizer):
-    """Each matrix is written where the decode stack reads it, in the order the model is built: q, k and v lie
-    back to back and are one tensor without a concatenated copy, and the decode weights are not copied again."""
+    """Each matrix is written where the decode stack reads it, in the order a step reads them (the layers, then the
+    head): q, k and v lie back to back and are one tensor without a concatenated copy, and the decode weights are not copied again."""
     from llmaccel.model.weight_arena import _weight_attribute
     from llmaccel.platform import HUGE_PAGE
 
@@ -223,7 +223,7 @@ def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(ll
     model = LLM(str(path), quantization="gguf").engine.runner.model
     assert model.decode_stack is not None
     streamed = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
-    tensors = [getattr(m, _weight_attribute(m)) for m in [model.lm_head, *streamed]]  # the head is built first
+    tensors = [getattr(m, _weight_attribute(m)) for m in [*streamed, model.lm_head]]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     starts = [t.data_ptr() for t in tensors]
     assert starts[0] % HUGE_PAGE == 0

@@ -39,6 +39,19 @@ def test_quantizers_reconstruct_within_half_a_step():
         assert w4.nbytes < w.numel() * w.element_size() / 5  # really packed: under a fifth of float32
 
 
+def test_quantizing_a_slice_of_rows_at_a_time_gives_the_whole_matrixs_bits(monkeypatch):
+    """Each row's codes depend on that row alone: slices of 7 rows (the last one short) give what one pass gives."""
+    from llmaccel.quantization import formats
+
+    w = torch.randn(45, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    whole8, whole4 = quantize_int8(w), quantize_int4(w, 32)
+    monkeypatch.setattr(formats, "QUANTIZE_ROWS", 7)
+    sliced8, sliced4 = quantize_int8(w), quantize_int4(w, 32)
+    assert torch.equal(sliced8.q, whole8.q) and torch.equal(sliced8.scale, whole8.scale)
+    assert all(torch.equal(a, b) for a, b in zip((sliced4.packed, sliced4.scale, sliced4.zero),
+                                                 (whole4.packed, whole4.scale, whole4.zero), strict=True))
+
+
 def test_group_size_must_divide_the_layer():
     with pytest.raises(ValueError, match="group size 128 does not divide the 576 input features of qkv"):
         quantize_int4(torch.randn(8, 576), 128, "qkv")

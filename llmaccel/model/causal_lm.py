@@ -21,6 +21,7 @@ from llmaccel.model.layer_taps import LayerTaps
 from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear, weight_bytes
 from llmaccel.model.spec import ModelSpec
 from llmaccel.model.step_interrupt import StepInterrupt
+from llmaccel.model.weight_arena import LoadArena, return_freed_memory
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
 from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
 from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
@@ -51,6 +52,7 @@ class WeightLoader:
         self.quantization, self.group_size = quantization, group_size
         self.prequantized = prequantized or {}
         self.tables = tables
+        self._arena: LoadArena | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights or name in self.prequantized
@@ -94,11 +96,51 @@ class WeightLoader:
         widened as they are read: model/layers.Linear)."""
         if not quantize and self.quantization is not None:
             return Linear(self.cat(names), bias)
+        placed = self.placed(names) if self.quantization is None else None
+        if placed is not None:
+            return Linear(placed, bias)
         stored = [self.stored(n) for n in names]
         if (self.quantization is None and self.dtype == torch.float32 and self.device.type == "cpu"
                 and len({t.dtype for t in stored}) == 1 and stored[0].dtype in (torch.bfloat16, torch.float16)):
             return Linear(torch.cat(stored, dim=0).contiguous(), bias, keep_half=True)
         return build_linear(self.cat(names), bias, self.quantization, self.group_size, name)
+
+    def placed(self, names: list[str]) -> torch.Tensor | None:
+        """The named matrices stacked, each read from the checkpoint straight into its rows of one huge-page
+        mapping (model/weight_arena.LoadArena), in the order the model asks for them: a bf16 CPU model's dense
+        weights, written once where the decode step streams them, with no clone, concatenation or later copy
+        beside them. None where that does not apply (another dtype or device, a family's own layout fix)."""
+        if (self.device.type != "cpu" or self.dtype != torch.bfloat16
+                or type(self).prepare is not WeightLoader.prepare):
+            return None
+        shapes = [self.shape(n) for n in names]
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            return None
+        rows = [s[0] for s in shapes]
+        if self._arena is None:  # a reservation: pages cost memory only once written
+            self._arena = LoadArena(self._dense_bytes())
+        itemsize = self.dtype.itemsize
+        place = self._arena.take((sum(rows) * shapes[0][1] * itemsize,))
+        if place is None:
+            return None
+        weight = place.view(self.dtype).view(sum(rows), shapes[0][1])
+        reader = getattr(self.weights, "read_into", None)
+        for name, part in zip(names, weight.split(rows), strict=True):
+            if callable(reader):
+                reader(name, part)
+            else:
+                part.copy_(self.stored(name))
+        return weight
+
+    def _dense_bytes(self) -> int:
+        """An upper bound on the bytes of the matrices `placed` can be asked for: every 2-D checkpoint tensor
+        not taken in its own quantized format, each aligned as the arena hands them out."""
+        align, total = LoadArena.ALIGN, 0
+        for name in self.weights:
+            shape = self.shape(name)
+            if len(shape) == 2 and name not in self.prequantized:
+                total += -(-shape[0] * shape[1] * self.dtype.itemsize // align) * align
+        return total
 
     def head(self, name: str) -> nn.Module:
         """The LM head from the named matrix: the checkpoint's own quantized format where it has one."""
@@ -155,8 +197,12 @@ class CausalLM(nn.Module):
         self.spec = spec
         take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized, tables)
         self.embed_name, self.head_name, self.final_norm_name = self.weight_names(take)
-        self.build_embedding(take, quantize_embedding)
-        self.layers = nn.ModuleList([self.build_layer(i, take) for i in range(spec.num_layers)])
+        layers = []
+        for i in range(spec.num_layers):
+            layers.append(self.build_layer(i, take))
+            return_freed_memory()  # a layer's load temporaries (quantized at load, say) leave no resident heap
+        self.layers = nn.ModuleList(layers)
+        self.build_embedding(take, quantize_embedding)  # after the layers: a step reads the LM head last
         self.norm = self.build_final_norm(take)
         self.rotary = self.build_rotary(max_positions, dtype, device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
@@ -164,6 +210,7 @@ class CausalLM(nn.Module):
         if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
             choose_bf16_kernels(self, batch_invariant)
             choose_quantized_kernels(self)
+            return_freed_memory()  # the timing's inputs and layout copies (~1 GB at 8B) leave no resident heap
         self.decode_stack = None
         if self.uses_decode_stack and device.type == "cpu" and use_kernel is not False:
             from llmaccel.model.decode_stack import build_decode_stack

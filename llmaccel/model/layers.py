@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmaccel.model.rope import rope_tables
+from llmaccel.model.weight_arena import LoadArena
 from llmaccel.ops.cpu_linear import (
     bf16_linear,
     compact_rows,
@@ -124,14 +125,19 @@ class Linear(nn.Module):
         return self.weight is not None and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
 
     def set_bf16_choice(self, choice: Bf16Choice) -> None:
-        """Run `choice`'s kernels from now on, the weight moved into its layout (one copy either way)."""
+        """Run `choice`'s kernels from now on, the weight moved into its layout (one copy either way: a plain
+        weight read in place at load hands its pages back, model/weight_arena.LoadArena.give_back)."""
         held = "vnni" if self.vnni is not None else "compact" if self.compact is not None else "plain"
         if choice.layout != held and held != "plain":
             raise ValueError(f"a bf16 weight in the {held} layout cannot move to the {choice.layout} one")
-        if choice.layout == "vnni" and held == "plain":
-            self.vnni, self.weight = layout_weight(self.weight, "vnni"), None
-        elif choice.layout == "compact" and held == "plain":
-            self.compact, self.weight = layout_weight(self.weight, "compact"), None
+        if choice.layout in ("vnni", "compact") and held == "plain":
+            moved, old = layout_weight(self.weight, choice.layout), self.weight
+            self.weight = None
+            if choice.layout == "vnni":
+                self.vnni = moved
+            else:
+                self.compact = moved
+            LoadArena.give_back(old)
         self.bf16_choice = choice
 
     @property

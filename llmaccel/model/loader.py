@@ -158,6 +158,20 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
             raise CorruptCheckpointError(f"{file}: tensor {name!r} is cut short, the file is truncated")
         return tensor
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """`self[name]` written into `out` (its shape, any dtype): read from disk straight into it where the
+        dtypes match and it is contiguous, else through one temporary copy."""
+        file, data_start, info = self._where[name]
+        begin, end = info["data_offsets"]
+        if _SAFETENSORS_DTYPES[info["dtype"]] != out.dtype or not out.is_contiguous():
+            out.copy_(self[name])
+            return
+        with open(file, "rb") as f:
+            f.seek(data_start + begin)
+            read = f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
+        if read != end - begin or out.nbytes != end - begin:
+            raise CorruptCheckpointError(f"{file}: tensor {name!r} is cut short, the file is truncated")
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

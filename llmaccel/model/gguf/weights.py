@@ -1,8 +1,9 @@
 """A GGUF file's tensors as the model's weights, by HF name, read from the mapped file one at a time.
 
 Three views of the same tensors, each built on demand so that loading holds one tensor's temporaries at a time:
-- `weights[name]`: a dense tensor. F32 / F16 / BF16 tensors are views of the mapped file (no copy); a quantized
-  tensor is dequantized to float32 here (the `--quantization none` path, and 1-D tensors).
+- `weights[name]`: a dense tensor. F32 / F16 / BF16 tensors are copies of the mapped file's; a quantized
+  tensor is dequantized to float32 here (the `--quantization none` path, and 1-D tensors). `read_into` writes
+  one into a given tensor instead (a bf16 model's projections, read straight into their place).
 - `packed()`: the quantized matrices repacked into llmaccel's kernel layouts (ops' PackedWeight: Q8_0 -> INT8
   blocks, Q4_0 / Q4_1 -> INT4 blocks, Q4_K / Q5_K / Q6_K -> K-quant blocks), every weight exactly the file's:
   the `--quantization gguf` path. Where the CPU kernels are missing (CUDA, no compiler) Q8_0, Q4_0, Q4_1 and Q4_K
@@ -29,6 +30,7 @@ from llmaccel.model.weight_arena import LoadArena
 from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, pack_int4
 
 _TORCH_DENSE = {quants.F32: torch.float32, quants.F16: torch.float16, quants.BF16: torch.bfloat16}
+READ_ROWS = 1024  # rows `read_into` reads (and dequantizes) at once
 
 
 def check_supported(tensor: GGUFTensor, path: object) -> None:
@@ -80,6 +82,23 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         order = self.order(name)
         self.file.release(tensor)
         return values if order is None else values[torch.from_numpy(order)]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """`self[name]` written into `out` (its shape, any float dtype) straight from the mapped file, READ_ROWS
+        rows at a time: no clone, and a quantized tensor's float32 rows never all at once (a 1B shape's Q6_K
+        table dequantized whole made ~1 GB of temporaries beside the model)."""
+        tensor = self._by_name[name]
+        rows, k = tensor.rows, int(tensor.shape[0])
+        order = self.order(name)
+        source = (torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(rows, k)
+                  if tensor.tensor_type in _TORCH_DENSE else _raw_rows(tensor))
+        for start in range(0, rows, READ_ROWS):
+            stop = min(start + READ_ROWS, rows)
+            part = source[start:stop] if order is None else source[torch.from_numpy(order[start:stop])]
+            if tensor.tensor_type not in _TORCH_DENSE:
+                part = quants.dequantize(part, tensor.tensor_type, k).view(stop - start, k)
+            out[start:stop].copy_(part)
+        self.file.release(tensor)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_name)

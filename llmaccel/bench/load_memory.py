@@ -1,0 +1,108 @@
+"""`llmaccel bench load-memory`: what `llmaccel serve` costs in memory and time to start, per model, against
+issue 42's bound (peak RSS <= weight bytes + KV pool + 15%).
+
+Each model is served in its own process, started afresh (`--cold`: with an empty kernel-choice cache, so the
+start times its kernels as a first start on a machine does); the peak (VmHWM) and the resident set are read
+the moment /health answers, and the weight and KV pool bytes from /metrics. The page cache is left as it is:
+a file read from disk slows the start, not the memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from tqdm.auto import tqdm
+
+from llmaccel.bench.provenance import provenance
+from llmaccel.bench.servers import free_port, peak_rss_bytes, start_server, stop_server
+from llmaccel.platform import cpu_model
+
+BOUND_MARGIN = 0.15  # issue 42: peak RSS <= weights + KV pool + 15%
+_PART = re.compile(r'^llmaccel_memory_bytes\{part="(\w+)"\} (\S+)$', re.MULTILINE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("models", nargs="+", help="models to serve, one after another (alias, .gguf file or HF "
+                                                  "directory)")
+    parser.add_argument("--serve-args", default="",
+                        help="further `llmaccel serve` flags for every model, one quoted string "
+                             "(e.g. \"--quantization gguf\")")
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="every server's KV pool (counted in the bound)")
+    parser.add_argument("--repeats", type=int, default=1, help="starts per model; the median start is reported")
+    parser.add_argument("--cold", action="store_true",
+                        help="each start with an empty kernel-choice cache (LLMACCEL_CACHE_DIR in a temporary "
+                             "directory): the first start's kernel timing included")
+    parser.add_argument("--serve-command", default=f"{shlex.quote(sys.executable)} -m llmaccel.cli serve",
+                        help="the command that serves (another checkout's, to measure it the same way)")
+    parser.add_argument("--result-json", type=Path, default=None, help="also write the figures here")
+
+
+def _memory_parts(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {part: float(value) for part, value in _PART.findall(text)}
+
+
+def _resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_once(model: str, args: argparse.Namespace) -> dict:
+    """One start of `model`: seconds to /health, peak and resident bytes then, weight and KV pool bytes."""
+    command = [*shlex.split(args.serve_command), "--model", model, "--kv-cache-memory", args.kv_cache_memory,
+               *shlex.split(args.serve_args)]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="llmaccel-load-") as scratch:
+        env = dict(os.environ)
+        if args.cold:
+            env["LLMACCEL_CACHE_DIR"] = scratch
+        began = time.monotonic()
+        proc = start_server(command, port, Path(scratch) / "server.log", env=env)
+        try:
+            ready = time.monotonic() - began
+            peak, resident = peak_rss_bytes(proc.pid) or 0, _resident_bytes(proc.pid)
+            parts = _memory_parts(port)
+        finally:
+            stop_server(proc)
+    weights, pool = parts.get("weights", 0.0), parts.get("kv_pool", 0.0)
+    bound = (weights + pool) * (1 + BOUND_MARGIN)
+    return {"ready_s": round(ready, 1), "peak_gb": round(peak / 1e9, 3), "rss_gb": round(resident / 1e9, 3),
+            "weights_gb": round(weights / 1e9, 3), "kv_pool_gb": round(pool / 1e9, 3),
+            "bound_gb": round(bound / 1e9, 3), "peak_over_bound": round(peak / bound, 3) if bound else None}
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = []
+    for model in tqdm(args.models, desc="bench load-memory"):
+        starts = [start_once(model, args) for _ in range(args.repeats)]
+        median = sorted(starts, key=lambda s: s["peak_gb"])[len(starts) // 2]
+        rows.append({"model": model, **median, "ready_s": statistics.median(s["ready_s"] for s in starts),
+                     "starts": starts})
+    kind = "first starts (kernels timed)" if args.cold else "starts with the kernel choice cached"
+    print(f"{cpu_model()}; {kind}; serve {args.serve_args or '(defaults)'}, KV pool {args.kv_cache_memory}; "
+          f"median of {args.repeats}; GB = 1e9 bytes")
+    print("| model | weights GB | KV pool GB | peak GB at /health | bound GB (+15%) | peak / bound | RSS GB "
+          "| ready s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {Path(r['model']).name} | {r['weights_gb']:.2f} | {r['kv_pool_gb']:.2f} | {r['peak_gb']:.2f} | "
+              f"{r['bound_gb']:.2f} | {r['peak_over_bound']} | {r['rss_gb']:.2f} | {r['ready_s']:.1f} |")
+    if args.result_json is not None:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps({"machine": cpu_model(), "cold": args.cold,
+                                                "serve_args": args.serve_args, "kv_cache_memory": args.kv_cache_memory,
+                                                "serve_command": args.serve_command, **provenance(), "rows": rows},
+                                               indent=1) + "\n")
+    return 0

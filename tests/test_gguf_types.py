@@ -215,7 +215,8 @@ def test_without_the_cpu_kernels_the_files_tensors_run_on_torchs(llama256, tmp_p
 @needs_kernels
 def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(llama256, tmp_path, tiny_tokenizer):
     """Each matrix is written where the decode stack reads it, in the order a step reads them (the layers, then the
-    head): q, k and v lie back to back and are one tensor without a concatenated copy, and the decode weights are not copied again."""
+    head): q, k and v lie back to back and are one tensor without a concatenated copy, and the decode weights are
+    not copied again."""
     from llmaccel.model.weight_arena import _weight_attribute
     from llmaccel.platform import HUGE_PAGE
 
@@ -231,6 +232,25 @@ def test_the_files_matrices_are_repacked_once_into_the_mapping_a_step_streams(ll
     assert all(t.data_ptr() + t.nbytes == following for t, following in zip(tensors, starts[1:], strict=False))
     assert any(t.nbytes % 4096 for t in tensors)
     assert model.layers[0].qkv.blocks.shape[0] == (256 + 2 * 128) // 16  # q, k, v: 16-row groups in one tensor
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, "Q4_K_M"])
+def test_repacking_a_slice_of_rows_at_a_time_gives_the_whole_matrixs_blocks(llama256, tmp_path, tiny_tokenizer,
+                                                                            qtype, monkeypatch):
+    """Slices of 16 rows (q and k reordered within each head, as a slice of whole heads) give the blocks one
+    pass over the matrix gives."""
+    from llmaccel.model.gguf import weights as gguf_weights
+    from llmaccel.model.loader import load_checkpoint
+
+    path = _write(llama256, tmp_path, Q4_K_M if qtype == "Q4_K_M" else qtype, tiny_tokenizer)
+    whole = load_checkpoint(str(path)).weights.packed()
+    expected = {name: whole[name].blocks.clone() for name in whole}
+    monkeypatch.setattr(gguf_weights, "REPACK_ROWS", 16)
+    sliced = load_checkpoint(str(path)).weights.packed()
+    assert len(expected) > 10
+    for name, blocks in expected.items():
+        assert torch.equal(sliced[name].blocks, blocks), name
 
 
 needs_amx = pytest.mark.skipif(

@@ -131,9 +131,10 @@ class GGUFFile:
             data = self.buffer[start + offset:start + offset + nbytes]
             self.tensors[name] = GGUFTensor(name, shape, tensor_type, data)
 
-    def release(self, tensor: GGUFTensor | None = None) -> None:
-        """Hands the mapped pages of `tensor` (or of the whole file) back to the page cache: a tensor read once at
-        load (repacked, or copied) then costs no resident memory in this process; a later read maps it again."""
+    def release(self, tensor: GGUFTensor | None = None, rows: tuple[int, int] | None = None) -> None:
+        """Hands the mapped pages of `tensor` (its `rows` [first, end) only, where given; or of the whole file) back
+        to the page cache: a tensor read once at load (repacked, or copied) then costs no resident memory in this
+        process, and one read a slice of rows at a time never holds more than a slice; a later read maps it again."""
         import mmap
 
         region = getattr(self.buffer, "_mmap", None)
@@ -142,6 +143,9 @@ class GGUFFile:
         base = self.buffer.ctypes.data - self.buffer.offset  # where the mapping starts
         start, end = (0, len(self.buffer)) if tensor is None else (
             tensor.data.ctypes.data - base, tensor.data.ctypes.data - base + tensor.data.nbytes)
+        if tensor is not None and rows is not None:
+            row_bytes = tensor.data.nbytes // tensor.rows
+            start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
         page = mmap.PAGESIZE
         start, end = -(-start // page) * page, end // page * page  # whole pages inside the range only
         if end > start:

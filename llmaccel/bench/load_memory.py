@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -26,9 +25,9 @@ from tqdm.auto import tqdm
 from llmaccel.bench.provenance import provenance
 from llmaccel.bench.servers import free_port, peak_rss_bytes, start_server, stop_server
 from llmaccel.platform import cpu_model
+from llmaccel.server.metrics import PREFIX, parse_metrics
 
 BOUND_MARGIN = 0.15  # issue 42: peak RSS <= weights + KV pool + 15%
-_PART = re.compile(r'^llmaccel_memory_bytes\{part="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,16 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-json", type=Path, default=None, help="also write the figures here")
 
 
-def _memory_parts(port: int) -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {part: float(value) for part, value in _PART.findall(text)}
-
-
-def _resident_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def _memory(port: int) -> tuple[dict[str, float], float]:
+    """(the engine's memory parts by name, the process's resident bytes), from /metrics."""
+    samples = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    parts = {labels[0][1]: value for labels, value in samples.get(PREFIX + "memory_bytes", {}).items()}
+    return parts, samples.get("process_resident_memory_bytes", {}).get((), 0.0)
 
 
 def start_once(model: str, args: argparse.Namespace) -> dict:
@@ -72,13 +66,13 @@ def start_once(model: str, args: argparse.Namespace) -> dict:
         proc = start_server(command, port, Path(scratch) / "server.log", env=env)
         try:
             ready = time.monotonic() - began
-            peak, resident = peak_rss_bytes(proc.pid) or 0, _resident_bytes(proc.pid)
-            parts = _memory_parts(port)
+            parts, resident = _memory(port)
+            peak = peak_rss_bytes(proc.pid) or 0  # read after the resident set: the peak so far includes it
         finally:
             stop_server(proc)
     weights, pool = int(parts.get("weights", 0)), int(parts.get("kv_pool", 0))
     bound = int((weights + pool) * (1 + BOUND_MARGIN))
-    return {"ready_s": round(ready, 1), "peak_bytes": peak, "rss_bytes": resident, "weights_bytes": weights,
+    return {"ready_s": round(ready, 1), "peak_bytes": peak, "rss_bytes": int(resident), "weights_bytes": weights,
             "kv_pool_bytes": pool, "bound_bytes": bound, "peak_over_bound": round(peak / bound, 3) if bound else None}
 
 

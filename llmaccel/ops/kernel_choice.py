@@ -442,7 +442,6 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
                              f"force one of {', '.join(ORDERED_KERNELS)}")
         return forced if layer_weights else None, forced if head is not None else None
     wanted = layout or os.environ.get(LAYOUT_ENV) or None
-    asked = f"--bf16-layout {wanted}" if layout else f"${LAYOUT_ENV}={wanted!r}"
     # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
     # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
     # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)
@@ -454,6 +453,7 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
     offered = [k for k in candidates() if offered_here(k)]
     if not offered:
         layouts = sorted({kernel_layout(k) for k in candidates()})
+        asked = f"--bf16-layout {wanted}" if layout else f"${LAYOUT_ENV}={wanted!r}"
         raise ValueError(f"{asked} is not a bf16 layout this machine has kernels for: {', '.join(layouts)}")
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
     kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"

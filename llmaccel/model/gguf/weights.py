@@ -152,8 +152,7 @@ class PackedTensors(Mapping[str, object]):
         kernels = _kernels() if self.cpu_kernels else None
         if kernels is not None:
             place, raw = self._place(name), _raw_rows(tensor)
-            blocks = place if place is not None else torch.empty(packed_shape(tensor.tensor_type, n, k),
-                                                                 dtype=torch.uint8)
+            blocks = place if place is not None else torch.empty(self._packed_shape(name), dtype=torch.uint8)
             for start in range(0, n, REPACK_ROWS):  # a slice at a time, its file pages handed back as it is done
                 taken = rows[start:start + REPACK_ROWS]
                 kernels.gguf_repack(raw, tensor.tensor_type, taken, k,

@@ -135,7 +135,7 @@ _BENCH_COMMANDS = [  # name, module in llmaccel.bench, help, its add-arguments f
      "on a published shape's projections, from memory, in alternating rounds: ms, GB/s, speedup",
      "add_arguments", "run"),
     ("load-memory", "load_memory", "what `llmaccel serve` holds at start, per model: peak and resident memory when "
-     "/health answers, weight and KV pool bytes, against weights + KV pool + 15%, and seconds to serve",
+     "/health answers, weight and KV pool bytes, against weights + KV pool + 15%%, and seconds to serve",
      "add_arguments", "run"),
     ("make-model", "make_model", "a checkpoint of random weights at a published shape (llama-1b/3b/8b, "
      "qwen-0.5b/7b) as an HF directory or a GGUF file of llama.cpp's types, for speed and memory benchmarks only",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+from llmaccel.cli import build_parser
 from llmaccel.llm import LLM
 from llmaccel.sampling_params import SamplingParams
 
@@ -35,6 +37,20 @@ def test_help_explains_every_flag():
     assert result.returncode == 0
     for flag in ("--kv-cache-memory", "--max-num-batched-tokens", "--temperature", "--top-p", "--seed", "--chat"):
         assert flag in result.stdout
+
+
+def test_every_command_formats_its_help():
+    """A stray % in any help text breaks `--help` of the whole group it sits in (argparse %-formats them)."""
+    def commands(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, (*path, name))
+
+    found = {path: parser.format_help() for path, parser in commands(build_parser(), ("llmaccel",))}
+    assert ("llmaccel", "bench", "load-memory") in found and ("llmaccel", "serve") in found
+    assert "weights + KV pool + 15%," in found[("llmaccel", "bench")]
 
 
 def test_bench_offline_runs_all_three_systems(llama_dir, tmp_path):

@@ -64,7 +64,7 @@ def test_tied_table_rows_come_from_the_panels():
     assert linear.weight_bytes == 64 * 64 * 4  # 50 rows padded to 64: the one copy it holds
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 64, 301])  # 1-2 rows a pass of their own, 3+ in 4 x 2 tiles (gemv.cpp)
 @pytest.mark.parametrize("grouped", [False, True])
 def test_int8_is_the_q8_activation_product(rows, grouped):
     """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products
@@ -119,14 +119,18 @@ def test_bfloat16_activations_are_read_as_their_float32_values():
     assert torch.equal(kernels.gemv_i8(x, *packed, n), kernels.gemv_i8(x.float(), *packed, n))
 
 
-def test_int8_is_batch_invariant():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_is_batch_invariant(grouped):
+    """A row's sums are the same bits alone (1-2 rows: group_pass), in a 4-row tile beside others, past the
+    256-row sweep or in a tile it fills alone (rows repeated); 7 groups: one thread's share ends on a lone group."""
     gen = torch.Generator().manual_seed(6)
     n, k = 100, 576
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    packed = pack_int8_blocks(q, torch.rand(n, k // BLOCK, generator=gen).half().float())
-    x = torch.randn(70, k, generator=gen)
+    scale = torch.rand(n, k // BLOCK, generator=gen).half().float() if grouped else torch.rand(n, generator=gen)
+    packed = pack_int8_blocks(q, scale)
+    x = torch.randn(301, k, generator=gen)
     batch = kernels.gemv_i8(x, *packed, n)
-    for first, count in ((0, 1), (3, 1), (69, 1), (5, 3), (1, 64)):
+    for first, count in ((0, 1), (3, 1), (69, 1), (300, 1), (5, 2), (5, 3), (1, 64), (250, 11), (0, 258)):
         assert torch.equal(kernels.gemv_i8(x[first:first + count], *packed, n), batch[first:first + count])
 
 

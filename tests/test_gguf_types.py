@@ -120,13 +120,14 @@ def test_the_kernels_multiply_by_the_files_own_weights(qtype):
 @pytest.mark.skipif("avx512_vnni" not in cpu_features(), reason="no AVX512-VNNI on this CPU")
 @pytest.mark.parametrize("qtype", K_TYPES)
 def test_the_avx512_k_quant_kernel_gives_the_avx2_kernels_bits(qtype):
-    """16 rows a vpdpbusd against 8 rows a maddubs, madd and add: the same integer sums and float steps."""
+    """16 rows a vpdpbusd against 8 rows a maddubs, madd and add: the same integer sums and float steps, in the
+    AVX-512 build's passes of 1-2 rows and its 4-row x 2-group tiles from 3 rows on (261: past a 256-row sweep)."""
     rng = np.random.default_rng(11)
     n, k = 40, 512
     raw_t = torch.from_numpy(np.ascontiguousarray(_random_k_blocks(qtype, n, rng)))
     wide, narrow = load_level("avx512_bf16"), load_level("avx2")
     blocks = wide.gguf_repack(raw_t, int(qtype), torch.arange(n), k)
-    for rows in (1, 3, 4, 6, 9, 13):  # passes of 8, of 5-7 (spare lanes), 4, 3 and 1
+    for rows in (1, 2, 3, 4, 6, 9, 13, 261):  # tiles with spare rows, whole ones, an odd group
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(wide.gemv_kq(x, blocks, int(qtype), n), narrow.gemv_kq(x, blocks, int(qtype), n)), rows
 

@@ -292,6 +292,102 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
     std::memcpy(y + (i0 + r) * ldy, sums, std::min<int64_t>(kGroupRows, cols) * sizeof(float));
   }
 }
+
+// One chunk t of a group's block unpacked to its low and high codes (with Q5_K's fifth bits, Q6_K's high pairs).
+template <int64_t Kind>
+inline void unpack_chunk(const uint8_t* block, int t, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(block + 64 * t);
+  lo = _mm512_and_si512(v, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  if constexpr (Kind == kQ5K) {
+    const __m512i hb = _mm512_loadu_si512(block + kNibbles), bit = _mm512_set1_epi8(0x10);
+    switch (t) {
+      case 0: lo = _mm512_or_si512(lo, bits_to<4>(hb, bit)), hi = _mm512_or_si512(hi, bits_to<3>(hb, bit)); break;
+      case 1: lo = _mm512_or_si512(lo, bits_to<2>(hb, bit)), hi = _mm512_or_si512(hi, bits_to<1>(hb, bit)); break;
+      case 2: lo = _mm512_or_si512(lo, bits_to<0>(hb, bit)), hi = _mm512_or_si512(hi, bits_to<-1>(hb, bit)); break;
+      default: lo = _mm512_or_si512(lo, bits_to<-2>(hb, bit)), hi = _mm512_or_si512(hi, bits_to<-3>(hb, bit));
+    }
+  }
+  if constexpr (Kind == kQ6K) {
+    const __m512i hb = _mm512_loadu_si512(block + kNibbles + 64 * (t / 2)), pairs = _mm512_set1_epi8(0x30);
+    if (t % 2 == 0) lo = _mm512_or_si512(lo, bits_to<4>(hb, pairs)), hi = _mm512_or_si512(hi, bits_to<2>(hb, pairs));
+    else lo = _mm512_or_si512(lo, bits_to<0>(hb, pairs)), hi = _mm512_or_si512(hi, bits_to<-2>(hb, pairs));
+  }
+}
+
+// Three rows and more (batched decode steps, prefill chunks): MR rows x NR groups a pass, so a chunk unpacked
+// once feeds MR rows and a broadcast activation NR groups; one integer chain a sum (Q6_K's -32 correction seeding
+// it). Each element's integer sums and float steps are group_pass's, in its order, so a row's result does not depend
+// on the rows beside it and both builds still give the same bits. Sums go to sums[MR][NR x 16]. With 4 x 2, a
+// 1B-shaped layer's four projections at 2,048 rows took 0.82x (Q4_K) and 0.84x (Q6_K) the 8-row passes' time
+// (2-core AMD EPYC Zen 5); 3 x 3, 6 x 2 and 8 x 1 tiles measured within noise of it or slower.
+template <int64_t Kind, int MR, int NR>
+void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_bytes, int64_t supers, int64_t k,
+               int64_t i0, int rows, float* sums) {
+  const int64_t nb = k / kBlock, record = record_bytes(Kind), bb = block_bytes(Kind);
+  const int32_t* xq[MR];
+  int64_t row[MR];
+  for (int r = 0; r < MR; ++r) {
+    row[r] = i0 + std::min(r, rows - 1);  // (spare rows repeat the last; not stored)
+    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + row[r] * k);
+  }
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < NR; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rec[NR];
+    __m512 d[NR];
+    for (int g = 0; g < NR; ++g) {
+      rec[g] = group0 + g * group_bytes + s * record;
+      d[g] = halves(rec[g] + 8 * bb + 256);
+    }
+    for (int64_t sb = 0; sb < 8; ++sb) {
+      const int64_t b = s * 8 + sb;
+      __m512i dot[MR][NR];
+      // chunks [t0, t0 + count) into dot, seeded with `seed(r)`
+      auto dots = [&](int t0, int count, auto seed) {
+        for (int r = 0; r < MR; ++r) {
+          const __m512i start = seed(r);
+          for (int g = 0; g < NR; ++g) dot[r][g] = start;
+        }
+        for (int t = t0; t < t0 + count; ++t) {
+          __m512i lo[NR], hi[NR];
+          for (int g = 0; g < NR; ++g) unpack_chunk<Kind>(rec[g] + sb * bb, t, lo[g], hi[g]);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i x0 = _mm512_set1_epi32(xq[r][8 * b + 2 * t]), x1 = _mm512_set1_epi32(xq[r][8 * b + 2 * t + 1]);
+            for (int g = 0; g < NR; ++g) dot[r][g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][g], lo[g], x0), hi[g], x1);
+          }
+        }
+      };
+      if constexpr (Kind == kQ6K) {  // inputs 0..15 (chunks 0, 1) and 16..31 (chunks 2, 3) have scales of their own
+        for (int half = 0; half < 2; ++half) {
+          dots(2 * half, 2, [&](int r) { return _mm512_set1_epi32(-32 * a.qsum16[2 * (row[r] * nb + b) + half]); });
+          for (int g = 0; g < NR; ++g) {
+            const __m512 sc = opaque(_mm512_mul_ps(widen_s8(rec[g] + 8 * bb + (2 * sb + half) * 16), d[g]));
+            for (int r = 0; r < MR; ++r)
+              acc[r][g] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(a.d[row[r] * nb + b])),
+                                          _mm512_cvtepi32_ps(dot[r][g]), acc[r][g]);
+          }
+        }
+      } else {
+        dots(0, 4, [](int) { return _mm512_setzero_si512(); });
+        for (int g = 0; g < NR; ++g) {
+          const uint8_t* tail = rec[g] + 8 * bb;
+          const __m512 scale = opaque(_mm512_mul_ps(widen_u8(tail + sb * 16), d[g]));
+          const __m512 offset = opaque(_mm512_mul_ps(widen_u8(tail + 128 + sb * 16), halves(tail + 288)));
+          for (int r = 0; r < MR; ++r) {
+            const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(a.d[row[r] * nb + b]));
+            acc[r][g] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[r][g]), acc[r][g]);
+            acc[r][g] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum[row[r] * nb + b]), acc[r][g]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < NR; ++g) _mm512_storeu_ps(sums + (r * NR + g) * kGroupRows, acc[r][g]);
+}
 }  // namespace lanes16
 #endif
 
@@ -344,7 +440,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
 }  // namespace plain
 #endif
 
-// One pass of `rows` activation rows against a group. With AVX512-VNNI, 16-lane passes of up to 8 rows, but a lone
+// One pass of `rows` activation rows against a group (with AVX512-VNNI only 1-2 rows come here: tiles_of takes more).
+// With AVX512-VNNI, 16-lane passes of up to 8 rows, but a lone
 // row (a decode step) the 8-lane kernel's: it streams memory faster on one row and gives the same bits (both are
 // exact integer sums, then the same float steps in the same order). Measured on a 2-core Zen 4 (Q4_K, 28 x 29 MB
 // on huge pages, the two kernels alternating): from memory the 8-lane kernel reads 46-51 GB/s where the machine's
@@ -383,9 +480,45 @@ constexpr int kPassRows = 4;
 constexpr int kPassRows = 1;
 #endif
 
+#if defined(LLMACCEL_KQ_LANES16)
+constexpr int64_t kTileFromRows = 3;  // fewer: group_pass (the 8-lane kernel at one row streams memory faster)
+constexpr int kTileRows = 4, kTileGroups = 2;
+constexpr int64_t kSweepRows = 256;  // rows a sweep over the groups: their INT8 codes stay in L2/L3
+
+template <int64_t Kind>
+void tiles_of(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
+              int64_t g0, int64_t g1) {
+  const int64_t supers = k / kSuper, group_bytes = supers * record_bytes(Kind);
+  alignas(64) float sums[kTileRows * kTileGroups * kGroupRows];
+  for (int64_t r0 = 0; r0 < m; r0 += kSweepRows) {
+    const int64_t r1 = std::min(m, r0 + kSweepRows);
+    for (int64_t g = g0; g < g1; g += kTileGroups) {
+      const int width = static_cast<int>(std::min<int64_t>(kTileGroups, g1 - g));  // 1 for an odd share's last
+      const uint8_t* group = blocks + g * group_bytes;
+      for (int64_t i0 = r0; i0 < r1; i0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r1 - i0));
+        if (width == kTileGroups)
+          lanes16::tile_pass<Kind, kTileRows, kTileGroups>(a, group, group_bytes, supers, k, i0, rows, sums);
+        else
+          lanes16::tile_pass<Kind, kTileRows, 1>(a, group, group_bytes, supers, k, i0, rows, sums);
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < width; ++j) {
+            const int64_t col0 = (g + j) * kGroupRows;
+            std::memcpy(y + (i0 + r) * ldy + col0, sums + (r * width + j) * kGroupRows,
+                        std::min(kGroupRows, n - col0) * sizeof(float));
+          }
+      }
+    }
+  }
+}
+#endif
+
 template <int64_t Kind>
 void groups_of(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
                int64_t g0, int64_t g1) {
+#if defined(LLMACCEL_KQ_LANES16)
+  if (m >= kTileFromRows) return tiles_of<Kind>(a, blocks, y, ldy, m, k, n, g0, g1);
+#endif
   const int64_t supers = k / kSuper, record = record_bytes(Kind);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = blocks + g * supers * record;

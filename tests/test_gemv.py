@@ -150,7 +150,7 @@ def test_int4_block_layout():
     assert not blocks[1, :, :256].reshape(-1, 16, 4)[:, 4:].any() and not halves[4:16].any()  # padding rows
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 261])
 @pytest.mark.parametrize(("n", "k"), [(33, 128), (64, 576), (5, 32)])
 def test_int4_is_the_q8_activation_product(rows, n, k):
     """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products,
@@ -173,9 +173,9 @@ def test_int4_is_batch_invariant():
     n, k = 100, 576
     q = torch.randint(0, 16, (n, k), generator=gen)
     blocks = pack_int4_blocks(q, torch.rand(n, k // BLOCK, generator=gen), torch.randn(n, k // BLOCK, generator=gen))
-    x = torch.randn(70, k, generator=gen)
+    x = torch.randn(301, k, generator=gen)  # as the INT8 test: 1-2 rows alone, tiles of 4 x 2 past a 256-row sweep
     batch = kernels.gemv_i4(x, blocks, n)
-    for first, count in ((0, 1), (3, 1), (69, 1), (5, 3), (1, 64)):
+    for first, count in ((0, 1), (3, 1), (69, 1), (300, 1), (5, 2), (5, 3), (1, 64), (250, 11), (0, 258)):
         assert torch.equal(kernels.gemv_i4(x[first:first + count], blocks, n), batch[first:first + count])
 
 

@@ -150,7 +150,7 @@ def test_int4_block_layout():
     assert not blocks[1, :, :256].reshape(-1, 16, 4)[:, 4:].any() and not halves[4:16].any()  # padding rows
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 261])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])  # (past a 256-row sweep: test_int4_is_batch_invariant)
 @pytest.mark.parametrize(("n", "k"), [(33, 128), (64, 576), (5, 32)])
 def test_int4_is_the_q8_activation_product(rows, n, k):
     """Exactly what the kernel promises: activations rounded to INT8 per 32 inputs, integer products,

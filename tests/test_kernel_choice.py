@@ -42,13 +42,15 @@ def test_the_gemm_matches_float64(rows, n, k):
 
 
 @needs_gemm
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("n", [200, 37])  # up to 16 rows tiles of 8 columns, then of 4 and 1 (37 = 4 x 8 + 4 + 1)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n):
     x = torch.randn(70, 576).to(torch.bfloat16)
-    w = torch.randn(200, 576).to(torch.bfloat16)
+    w = torch.randn(n, 576).to(torch.bfloat16)
     gemm = load_cpu_kernels().gemm_bf16
     batch = gemm(x, w)
     for i in (0, 15, 16, 31, 32, 69):  # first and last of each 16- and 32-row tile
         assert torch.equal(gemm(x[i:i + 1], w)[0], batch[i])
+        assert torch.equal(gemm(x[i:i + 16], w)[0], batch[i])
 
 
 @needs_gemm

@@ -9,7 +9,10 @@
 // each weight pair is read and broadcast once for a 64-sequence batch: 380-410 GFLOP/s at those shapes
 // with the weights in cache (tools/gemv_bench.py; ops/kernel_choice.py times it against the others at
 // start). With a step's weights coming from memory it ran 3-6% faster than the 32 x 8 tile it replaced,
-// which read each weight twice at 64 rows (measured on a Zen 4 with 30 layers' distinct weights). Every output sums
+// which read each weight twice at 64 rows (measured on a Zen 4 with 30 layers' distinct weights). Up to 16 rows a
+// tile holds one register of rows, and 4 columns left 4 chains of vdpbf16ps waiting on its latency: 8 columns
+// took a 1B-shaped layer's projections at 1-16 rows to 0.62x their time from memory (the compact layout's GEMM,
+// decoding 8 rows at a time for it, to 0.58x; 2-core AMD EPYC Zen 5). Every output sums
 // its pairs in order p = 0, 1, ..., so a row's result does not depend on the tile, the thread or the
 // rows beside it; the same GEMM reads the vnni layout too (bf16_gemm_vnni_columns), and linear_vnni.cpp's
 // ordered_stream sums a few rows in this order, so --batch-invariant runs the two (ops/kernel_choice.py).
@@ -29,6 +32,7 @@ namespace llmaccel {
 namespace {
 
 constexpr int kTileCols = 4;
+constexpr int kWideCols = 8;
 
 // Other bytes a tile requests into L2 as it runs, one line every `steps` pairs: the compact layout's next
 // rows (bf16_compact.cpp), which are decoded rather than read by the tile.
@@ -109,18 +113,23 @@ bool bf16_gemm_compiled() { return true; }
 LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, bf16* y,
                                          int64_t ldy, int64_t n0, int64_t n1, const uint8_t* ahead,
                                          int64_t ahead_bytes) {
+  // up to 16 rows a tile holds one register of rows: 8 columns then, so 8 chains of vdpbf16ps hide its latency
+  const int64_t width = packed_rows(m) <= 16 ? kWideCols : kTileCols;
   // the bytes ahead shared out between the column blocks, each's spread over its pairs
-  const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / kTileCols);
+  const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / width);
   const int64_t share = (ahead_bytes / blocks + 63) / 64 * 64;
   auto ahead_of = [&](int64_t n) {
     Ahead a;
     if (ahead == nullptr || share == 0) return a;
-    a.at = reinterpret_cast<const char*>(ahead) + (n - n0) / kTileCols * share;
-    a.bytes = std::min(share, ahead_bytes - (n - n0) / kTileCols * share);
+    a.at = reinterpret_cast<const char*>(ahead) + (n - n0) / width * share;
+    a.bytes = std::min(share, ahead_bytes - (n - n0) / width * share);
     a.steps = std::max<int64_t>(1, k / 2 / (share / 64));
     return a;
   };
   int64_t n = n0;
+  if (width == kWideCols)
+    for (; n + kWideCols <= n1; n += kWideCols)
+      column_block<kWideCols>(packed, m, w, k, n, y, ldy, ahead == nullptr && n + 2 * kWideCols <= n1, ahead_of(n));
   for (; n + kTileCols <= n1; n += kTileCols)
     column_block<kTileCols>(packed, m, w, k, n, y, ldy, ahead == nullptr && n + 2 * kTileCols <= n1, ahead_of(n));
   for (; n < n1; ++n) column_block<1>(packed, m, w, k, n, y, ldy, false, Ahead());

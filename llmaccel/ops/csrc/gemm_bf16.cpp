@@ -137,7 +137,9 @@ LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, cons
 
 LLMACCEL_ONE_COPY void bf16_gemm_vnni_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k,
                                               bf16* y, int64_t ldy, int64_t n0, int64_t n1) {
-  int64_t n = n0;  // (n0 a multiple of 4: a tile's columns never straddle two blocks of 32)
+  int64_t n = n0;  // (n0 a multiple of 8: a tile's columns never straddle two blocks of 32)
+  if (packed_rows(m) <= 16)  // as bf16_gemm_columns: 8 columns a tile of one register of rows
+    for (; n + kWideCols <= n1; n += kWideCols) column_block<kWideCols, true>(packed, m, w, k, n, y, ldy, false, Ahead());
   for (; n + kTileCols <= n1; n += kTileCols) column_block<kTileCols, true>(packed, m, w, k, n, y, ldy, false, Ahead());
   for (; n < n1; ++n) column_block<1, true>(packed, m, w, k, n, y, ldy, false, Ahead());
 }

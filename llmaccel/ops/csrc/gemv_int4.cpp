@@ -151,31 +151,14 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < NR; ++g) _mm512_storeu_ps(sums + (r * NR + g) * kGroupRows, _mm512_add_ps(even[r][g], odd[r][g]));
 }
-constexpr int64_t kTileFromRows = 3;
-constexpr int kTileRows = 4, kTileGroups = 2;
-constexpr int64_t kSweepRows = 256;  // rows a sweep over the groups: their INT8 codes stay in L2/L3
-
 void i4_tiles(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
               int64_t g0, int64_t g1) {
   const int64_t nb = k / kBlock, group_bytes = nb * kInt4BlockBytes;
-  alignas(64) float sums[kTileRows * kTileGroups * kGroupRows];
-  for (int64_t r0 = 0; r0 < m; r0 += kSweepRows) {
-    const int64_t r1 = std::min(m, r0 + kSweepRows);
-    for (int64_t g = g0; g < g1; g += kTileGroups) {
-      const int width = static_cast<int>(std::min<int64_t>(kTileGroups, g1 - g));  // 1 for an odd share's last
-      const uint8_t* group = blocks + g * group_bytes;
-      for (int64_t i0 = r0; i0 < r1; i0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r1 - i0));
-        if (width == kTileGroups) tile_pass<kTileRows, kTileGroups>(a, group, group_bytes, nb, k, i0, rows, sums);
-        else tile_pass<kTileRows, 1>(a, group, group_bytes, nb, k, i0, rows, sums);
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < width; ++j) {
-            const int64_t col0 = (g + j) * kGroupRows;
-            store_row(sums + (r * width + j) * kGroupRows, y + (i0 + r) * ldy + col0, std::min(kGroupRows, n - col0));
-          }
-      }
-    }
-  }
+  tile_sweep(m, n, g0, g1, nullptr, y, ldy, [&](int64_t g, int width, int64_t i0, int rows, float* sums) {
+    const uint8_t* group = blocks + g * group_bytes;
+    if (width == kTileGroups) tile_pass<kTileRows, kTileGroups>(a, group, group_bytes, nb, k, i0, rows, sums);
+    else tile_pass<kTileRows, 1>(a, group, group_bytes, nb, k, i0, rows, sums);
+  });
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

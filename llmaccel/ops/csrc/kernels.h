@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -83,6 +84,42 @@ struct QuantizedRows {
   std::vector<int32_t> qsum;  // [M, K / 32]: sum(q) of each block (the INT8 kernel's +128 correction)
   std::vector<int32_t> qsum16;  // [M, K / 16]: sum(q) of each half block (Q6_K's -32 correction, kquant.cpp)
 };
+
+// The block kernels' batches (gemv.cpp, gemv_int4.cpp, kquant.cpp; AVX512-VNNI): from kTileFromRows rows on, passes
+// of kTileRows activation rows x kTileGroups weight groups, kSweepRows rows at a time over the groups (their INT8
+// codes stay in L2/L3 while the groups pass). gemv.cpp's tile_pass says why.
+constexpr int64_t kTileFromRows = 3;
+constexpr int kTileRows = 4, kTileGroups = 2;
+constexpr int64_t kSweepRows = 256;
+
+// Rows [0, m) x groups [g0, g1) in tiles; `pass(g, width, i0, rows, sums)` fills sums [rows][width x 16] for groups
+// g .. g + width - 1 (width 1 for an odd share's last group) and rows i0 .. i0 + rows - 1, which go to y (times
+// row_scale, where given) for the columns below n.
+template <typename Pass>
+void tile_sweep(int64_t m, int64_t n, int64_t g0, int64_t g1, const float* row_scale, float* y, int64_t ldy,
+                Pass&& pass) {
+  alignas(64) float sums[kTileRows * kTileGroups * kGroupRows];
+  for (int64_t r0 = 0; r0 < m; r0 += kSweepRows) {
+    const int64_t r1 = std::min(m, r0 + kSweepRows);
+    for (int64_t g = g0; g < g1; g += kTileGroups) {
+      const int width = static_cast<int>(std::min<int64_t>(kTileGroups, g1 - g));
+      for (int64_t i0 = r0; i0 < r1; i0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r1 - i0));
+        pass(g, width, i0, rows, sums);
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < width; ++j) {
+            const int64_t col0 = (g + j) * kGroupRows, cols = std::min(kGroupRows, n - col0);
+            const float* sum = sums + (r * width + j) * kGroupRows;
+            float* out = y + (i0 + r) * ldy + col0;
+            if (row_scale)
+              for (int64_t c = 0; c < cols; ++c) out[c] = sum[c] * row_scale[col0 + c];
+            else
+              std::memcpy(out, sum, cols * sizeof(float));
+          }
+      }
+    }
+  }
+}
 
 // Fills `out` (reusing its storage) with the M x K rows x, float32 or bfloat16 (as bits).
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);

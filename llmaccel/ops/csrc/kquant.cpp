@@ -481,35 +481,17 @@ constexpr int kPassRows = 1;
 #endif
 
 #if defined(LLMACCEL_KQ_LANES16)
-constexpr int64_t kTileFromRows = 3;  // fewer: group_pass (the 8-lane kernel at one row streams memory faster)
-constexpr int kTileRows = 4, kTileGroups = 2;
-constexpr int64_t kSweepRows = 256;  // rows a sweep over the groups: their INT8 codes stay in L2/L3
-
 template <int64_t Kind>
 void tiles_of(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
               int64_t g0, int64_t g1) {
   const int64_t supers = k / kSuper, group_bytes = supers * record_bytes(Kind);
-  alignas(64) float sums[kTileRows * kTileGroups * kGroupRows];
-  for (int64_t r0 = 0; r0 < m; r0 += kSweepRows) {
-    const int64_t r1 = std::min(m, r0 + kSweepRows);
-    for (int64_t g = g0; g < g1; g += kTileGroups) {
-      const int width = static_cast<int>(std::min<int64_t>(kTileGroups, g1 - g));  // 1 for an odd share's last
-      const uint8_t* group = blocks + g * group_bytes;
-      for (int64_t i0 = r0; i0 < r1; i0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r1 - i0));
-        if (width == kTileGroups)
-          lanes16::tile_pass<Kind, kTileRows, kTileGroups>(a, group, group_bytes, supers, k, i0, rows, sums);
-        else
-          lanes16::tile_pass<Kind, kTileRows, 1>(a, group, group_bytes, supers, k, i0, rows, sums);
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < width; ++j) {
-            const int64_t col0 = (g + j) * kGroupRows;
-            std::memcpy(y + (i0 + r) * ldy + col0, sums + (r * width + j) * kGroupRows,
-                        std::min(kGroupRows, n - col0) * sizeof(float));
-          }
-      }
-    }
-  }
+  tile_sweep(m, n, g0, g1, nullptr, y, ldy, [&](int64_t g, int width, int64_t i0, int rows, float* sums) {
+    const uint8_t* group = blocks + g * group_bytes;
+    if (width == kTileGroups)
+      lanes16::tile_pass<Kind, kTileRows, kTileGroups>(a, group, group_bytes, supers, k, i0, rows, sums);
+    else
+      lanes16::tile_pass<Kind, kTileRows, 1>(a, group, group_bytes, supers, k, i0, rows, sums);
+  });
 }
 #endif
 
@@ -517,6 +499,7 @@ template <int64_t Kind>
 void groups_of(const QuantizedRows& a, const uint8_t* blocks, float* y, int64_t ldy, int64_t m, int64_t k, int64_t n,
                int64_t g0, int64_t g1) {
 #if defined(LLMACCEL_KQ_LANES16)
+  // (fewer rows: group_pass, whose 8-lane kernel streams a lone row from memory faster)
   if (m >= kTileFromRows) return tiles_of<Kind>(a, blocks, y, ldy, m, k, n, g0, g1);
 #endif
   const int64_t supers = k / kSuper, record = record_bytes(Kind);

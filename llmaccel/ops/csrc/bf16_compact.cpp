@@ -161,9 +161,8 @@ LLMACCEL_ONE_COPY void compact_columns(const uint16_t* xb, const CompactView& w,
 // weight a call (a 64-row batch does 2 x 64 multiply-adds a weight).
 LLMACCEL_ONE_COPY void compact_gemm_columns(const uint32_t* packed, int64_t m, const CompactView& w, bf16* y,
                                             int64_t ldy, int64_t n0, int64_t n1) {
-  // rows decoded at a time, one tile's columns (gemm_bf16.cpp: 8 up to 16 activation rows, else 4): 16-32 KB at
-  // K = 2,048, read by the tile from L1
-  const int64_t kGroup = packed_rows(m) <= 16 ? 8 : 4;
+  // rows decoded at a time, one tile's columns: 16-32 KB at K = 2,048, read by the tile from L1
+  const int64_t kGroup = gemm_tile_cols(m);
   thread_local std::vector<uint16_t> rows;
   rows.resize(kGroup * w.k);
   const int64_t row_bytes = w.k / kCompactBlock * kCompactBytes;

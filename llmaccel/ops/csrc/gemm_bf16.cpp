@@ -32,7 +32,7 @@ namespace llmaccel {
 namespace {
 
 constexpr int kTileCols = 4;
-constexpr int kWideCols = 8;
+constexpr int kWideCols = 8;  // gemm_tile_cols (kernels.h): up to 16 rows
 
 // Other bytes a tile requests into L2 as it runs, one line every `steps` pairs: the compact layout's next
 // rows (bf16_compact.cpp), which are decoded rather than read by the tile.
@@ -113,8 +113,7 @@ bool bf16_gemm_compiled() { return true; }
 LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, bf16* y,
                                          int64_t ldy, int64_t n0, int64_t n1, const uint8_t* ahead,
                                          int64_t ahead_bytes) {
-  // up to 16 rows a tile holds one register of rows: 8 columns then, so 8 chains of vdpbf16ps hide its latency
-  const int64_t width = packed_rows(m) <= 16 ? kWideCols : kTileCols;
+  const int64_t width = gemm_tile_cols(m);
   // the bytes ahead shared out between the column blocks, each's spread over its pairs
   const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / width);
   const int64_t share = (ahead_bytes / blocks + 63) / 64 * 64;
@@ -138,7 +137,7 @@ LLMACCEL_ONE_COPY void bf16_gemm_columns(const uint32_t* packed, int64_t m, cons
 LLMACCEL_ONE_COPY void bf16_gemm_vnni_columns(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k,
                                               bf16* y, int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;  // (n0 a multiple of 8: a tile's columns never straddle two blocks of 32)
-  if (packed_rows(m) <= 16)  // as bf16_gemm_columns: 8 columns a tile of one register of rows
+  if (gemm_tile_cols(m) == kWideCols)
     for (; n + kWideCols <= n1; n += kWideCols) column_block<kWideCols, true>(packed, m, w, k, n, y, ldy, false, Ahead());
   for (; n + kTileCols <= n1; n += kTileCols) column_block<kTileCols, true>(packed, m, w, k, n, y, ldy, false, Ahead());
   for (; n < n1; ++n) column_block<1, true>(packed, m, w, k, n, y, ldy, false, Ahead());

@@ -165,10 +165,10 @@ constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows
 // Rows i0 .. i0 + rows - 1 (rows <= MR) of x against one group of 16 weight rows: their sums
 // sum_b d_b * scale_b * dot_b (grouped) or sum_b d_b * dot_b (the row scale applied by the caller).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kPassRows = 8;
-// Blocks alternate between two sums (even, odd) and are unrolled in pairs, so the loop has no branch;
-// activations, their scales and sums are broadcast straight from memory (the compiler's GPR round trip
-// and a branch a block kept the kernel at ~0.6x of its vpdpbusd rate at 2,048 rows).
+constexpr int kPassRows = 2;  // one or two rows: three and more take tile_pass (below)
+// Blocks alternate between two sums (even, odd: alternate_blocks, kernels.h); activations, their scales and sums
+// are broadcast straight from memory (the compiler's GPR round trip and a branch a block kept the kernel at ~0.6x
+// of its vpdpbusd rate at 2,048 rows).
 template <int MR>
 void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_t stride, bool grouped, int64_t k,
                 int64_t i0, int rows, float* sums) {
@@ -204,12 +204,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), acc[r]);
     }
   };
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    step(b, even);
-    step(b + 1, odd);
-  }
-  if (b < nb) step(b, even);
+  alternate_blocks(nb, step, even, odd);
   for (int r = 0; r < rows; ++r) _mm512_storeu_ps(sums + r * kGroupRows, _mm512_add_ps(even[r], odd[r]));
 }
 
@@ -340,15 +335,9 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
       }
     }
   };
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    step(b, even);
-    step(b + 1, odd);
-  }
-  if (b < nb) step(b, even);
+  alternate_blocks(nb, step, even, odd);
   for (int r = 0; r < rows; ++r)
-    for (int g = 0; g < NR; ++g)
-      _mm512_storeu_ps(sums + r * NR * kGroupRows + g * kGroupRows, _mm512_add_ps(even[r][g], odd[r][g]));
+    for (int g = 0; g < NR; ++g) _mm512_storeu_ps(sums + (r * NR + g) * kGroupRows, _mm512_add_ps(even[r][g], odd[r][g]));
 }
 
 void i8_tiles(const QuantizedRows& a, const uint8_t* blocks, const float* row_scale, float* y, int64_t ldy,
@@ -378,8 +367,7 @@ LLMACCEL_ONE_COPY void i8_groups(const QuantizedRows& a, const uint8_t* blocks, 
     for (int64_t i0 = 0; i0 < m; i0 += kPassRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPassRows, m - i0));
       const bool grouped = row_scale == nullptr;  // a pass of exactly the rows left (a row's arithmetic is the same)
-      if (kPassRows >= 8 && rows > 4) group_pass<(kPassRows >= 8 ? 8 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
-      else if (kPassRows >= 4 && rows == 4) group_pass<(kPassRows >= 4 ? 4 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
+      if (kPassRows >= 4 && rows == 4) group_pass<(kPassRows >= 4 ? 4 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else if (kPassRows >= 3 && rows == 3) group_pass<(kPassRows >= 3 ? 3 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else if (kPassRows >= 2 && rows == 2) group_pass<(kPassRows >= 2 ? 2 : 1)>(a, group, nb, stride, grouped, k, i0, rows, sums);
       else group_pass<1>(a, group, nb, stride, grouped, k, i0, rows, sums);

@@ -79,19 +79,14 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       accs[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r][b]), accs[r]);
     }
   };
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    step(b, even);
-    step(b + 1, odd);
-  }
-  if (b < nb) step(b, even);
+  alternate_blocks(nb, step, even, odd);
   for (int r = 0; r < rows; ++r) {
     alignas(64) float sums[kGroupRows];
     _mm512_store_ps(sums, _mm512_add_ps(even[r], odd[r]));
     store_row(sums, y + (i0 + r) * ldy, cols);
   }
 }
-constexpr int kPassRows = 4;  // 8 weight registers + 2 accumulators a row: 16 of 32 zmm
+constexpr int kPassRows = 2;  // one or two rows: three and more take tile_pass (below)
 
 #define LLMACCEL_I4_TILES 1
 // Three rows and more (batched decode steps, prefill chunks): MR rows x NR groups a pass, each chunk unpacked once
@@ -142,12 +137,7 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
       }
     }
   };
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    step(b, even);
-    step(b + 1, odd);
-  }
-  if (b < nb) step(b, even);
+  alternate_blocks(nb, step, even, odd);
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < NR; ++g) _mm512_storeu_ps(sums + (r * NR + g) * kGroupRows, _mm512_add_ps(even[r][g], odd[r][g]));
 }

@@ -121,6 +121,18 @@ void tile_sweep(int64_t m, int64_t n, int64_t g0, int64_t g1, const float* row_s
   }
 }
 
+// Blocks 0 .. nb - 1 into two sums by turns (even, odd), unrolled in pairs so the loop has no branch: the INT8 and
+// INT4 kernels' passes (`step(b, sums)` adds block b into sums).
+template <typename Step, typename Sums>
+inline void alternate_blocks(int64_t nb, Step&& step, Sums even, Sums odd) {
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    step(b, even);
+    step(b + 1, odd);
+  }
+  if (b < nb) step(b, even);
+}
+
 // Fills `out` (reusing its storage) with the M x K rows x, float32 or bfloat16 (as bits).
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
 void quantize_rows(const uint16_t* x, int64_t m, int64_t k, QuantizedRows& out);
@@ -164,6 +176,9 @@ void half_panels(const float* x, int64_t m, int64_t k, const uint16_t* panels, b
 // by pack_pairs as [K / 2, packed_rows(M)] pairs (x[i, 2p], x[i, 2p + 1]), the padding rows zero; then
 // y[i, c] for rows i < m and columns c in [n0, n1), rounded to bfloat16, from bf16 weights w [N, K].
 inline int64_t packed_rows(int64_t m) { return (m + 15) / 16 * 16; }
+// Weight rows (output columns) a tile of the bf16 GEMM takes for m activation rows (gemm_bf16.cpp): 8 while the
+// rows fit one register, whose 4 columns left 4 chains of vdpbf16ps waiting on its latency; else 4.
+inline int64_t gemm_tile_cols(int64_t m) { return packed_rows(m) <= 16 ? 8 : 4; }
 
 // The float16 stored at p (GGUF's scales, unaligned), as float32.
 inline float half_bits_to_float(const uint8_t* p) {

@@ -440,9 +440,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, in
 }  // namespace plain
 #endif
 
-// One pass of `rows` activation rows against a group (with AVX512-VNNI only 1-2 rows come here: tiles_of takes more).
-// With AVX512-VNNI, 16-lane passes of up to 8 rows, but a lone
-// row (a decode step) the 8-lane kernel's: it streams memory faster on one row and gives the same bits (both are
+// One pass of `rows` activation rows against a group. With AVX512-VNNI only 1-2 rows come here (tiles_of takes
+// more): two rows a 16-lane pass, but a lone row (a decode step) the 8-lane kernel's: it streams memory faster on one row and gives the same bits (both are
 // exact integer sums, then the same float steps in the same order). Measured on a 2-core Zen 4 (Q4_K, 28 x 29 MB
 // on huge pages, the two kernels alternating): from memory the 8-lane kernel reads 46-51 GB/s where the machine's
 // sum reads ~62, the 16-lane one 38-42 (0.79-0.88x); where the sum reads ~33 they tie (0.97x); only with the
@@ -453,10 +452,6 @@ void one_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int6
               int64_t ldy, int64_t cols) {
 #if defined(LLMACCEL_KQ_LANES16)
   switch (rows) {
-    case 8: return lanes16::group_pass<Kind, 8>(a, group, supers, k, i0, rows, y, ldy, cols);
-    case 7: case 6: case 5: return lanes16::group_pass<Kind, 7>(a, group, supers, k, i0, rows, y, ldy, cols);
-    case 4: return lanes16::group_pass<Kind, 4>(a, group, supers, k, i0, rows, y, ldy, cols);
-    case 3: return lanes16::group_pass<Kind, 3>(a, group, supers, k, i0, rows, y, ldy, cols);
     case 2: return lanes16::group_pass<Kind, 2>(a, group, supers, k, i0, rows, y, ldy, cols);
     default: return lanes8::group_pass<Kind, 1>(a, group, supers, k, i0, rows, y, ldy, cols);
   }
@@ -473,7 +468,7 @@ void one_pass(const QuantizedRows& a, const uint8_t* group, int64_t supers, int6
 }
 
 #if defined(LLMACCEL_KQ_LANES16)
-constexpr int kPassRows = 8;  // 16 lanes: 8 weight registers, an accumulator a row and a row's dots at a time
+constexpr int kPassRows = 2;  // three rows and more take tiles_of
 #elif defined(LLMACCEL_KQ_LANES8)
 constexpr int kPassRows = 4;
 #else

@@ -166,6 +166,25 @@ constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows
 // sum_b d_b * scale_b * dot_b (grouped) or sum_b d_b * dot_b (the row scale applied by the caller).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int kPassRows = 2;  // one or two rows: three and more take tile_pass (below)
+
+// Rows i0 .. i0 + MR - 1 of the activations (past the real `rows` the last again: those sums are not stored): their
+// INT8 codes four at a time, their blocks' scales and integer sums.
+template <int MR>
+struct PassRows {
+  const int32_t* q[MR];
+  const float* d[MR];
+  const int32_t* sum[MR];
+  PassRows(const QuantizedRows& a, int64_t i0, int rows, int64_t k) {
+    const int64_t nb = k / kBlock;
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = i0 + std::min(r, rows - 1);
+      q[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
+      d[r] = a.d.data() + i * nb;
+      sum[r] = a.qsum.data() + i * nb;
+    }
+  }
+};
+
 // Blocks alternate between two sums (even, odd: alternate_blocks, kernels.h); activations, their scales and sums
 // are broadcast straight from memory (the compiler's GPR round trip and a branch a block kept the kernel at ~0.6x
 // of its vpdpbusd rate at 2,048 rows).
@@ -174,15 +193,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
                 int64_t i0, int rows, float* sums) {
   __m512 even[MR], odd[MR];
   for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const int32_t* xq[MR];
-  const float* xd[MR];
-  const int32_t* xs[MR];
-  for (int r = 0; r < MR; ++r) {
-    const int64_t i = i0 + std::min(r, rows - 1);  // rows past the real ones repeat the last (not stored)
-    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
-    xd[r] = a.d.data() + i * nb;
-    xs[r] = a.qsum.data() + i * nb;
-  }
+  const PassRows<MR> x(a, i0, rows, k);
   auto step = [&](int64_t b, __m512* acc) {
     const uint8_t* block = group + b * stride;
     __m512i w[8];  // the weights + 128, unsigned: one u8 x s8 instruction a chunk, corrected below
@@ -191,7 +202,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
         grouped ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kWeightBytes)))
                 : _mm512_set1_ps(1.0f);
     for (int r = 0; r < MR; ++r) {
-      const int32_t* x4 = xq[r] + 8 * b;
+      const int32_t* x4 = x.q[r] + 8 * b;
       __m512i dot_a = _mm512_setzero_si512(), dot_b = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
         dot_a = _mm512_dpbusd_epi32(dot_a, w[t], _mm512_set1_epi32(x4[t]));
@@ -199,8 +210,8 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       }
       // (w + 128) . x - 128 * sum(x) = w . x, exactly
       const __m512i dot =
-          _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(xs[r][b]), 7));
-      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+          _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(x.sum[r][b]), 7));
+      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r][b]));
       acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), acc[r]);
     }
   };
@@ -300,29 +311,21 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
   __m512 even[MR][NR], odd[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int g = 0; g < NR; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-  const int32_t* xq[MR];
-  const float* xd[MR];
-  const int32_t* xs[MR];
-  for (int r = 0; r < MR; ++r) {
-    const int64_t i = i0 + std::min(r, rows - 1);  // rows past the real ones repeat the last (not stored)
-    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
-    xd[r] = a.d.data() + i * nb;
-    xs[r] = a.qsum.data() + i * nb;
-  }
+  const PassRows<MR> x(a, i0, rows, k);
   auto step = [&](int64_t b, __m512 (*acc)[NR]) {
     const uint8_t* block[NR];
     for (int g = 0; g < NR; ++g) block[g] = group0 + g * group_bytes + b * stride;
     __m512i dot[MR][NR];
     for (int r = 0; r < MR; ++r) {
-      const __m512i start = _mm512_set1_epi32(-(xs[r][b] << 7));  // (w + 128) . x - 128 * sum(x) = w . x
+      const __m512i start = _mm512_set1_epi32(-(x.sum[r][b] << 7));  // (w + 128) . x - 128 * sum(x) = w . x
       for (int g = 0; g < NR; ++g) dot[r][g] = start;
     }
     for (int t = 0; t < 8; ++t) {
       __m512i w[NR];
       for (int g = 0; g < NR; ++g) w[g] = _mm512_loadu_si512(block[g] + 64 * t);
       for (int r = 0; r < MR; ++r) {
-        const __m512i x = _mm512_set1_epi32(xq[r][8 * b + t]);
-        for (int g = 0; g < NR; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w[g], x);
+        const __m512i xt = _mm512_set1_epi32(x.q[r][8 * b + t]);
+        for (int g = 0; g < NR; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w[g], xt);
       }
     }
     for (int g = 0; g < NR; ++g) {
@@ -330,7 +333,7 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
           grouped ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[g] + kWeightBytes)))
                   : _mm512_set1_ps(1.0f);
       for (int r = 0; r < MR; ++r) {
-        const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+        const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r][b]));
         acc[r][g] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[r][g]), acc[r][g]);
       }
     }

@@ -85,7 +85,9 @@ def test_bad_input_is_named():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 100, 130])  # 130: the whole weight decoded first
+# 9-13: a dot group of 8 rows and the rest; 100, 130 at K = 2,048: chunks of 64 rows, each pass of columns decoded
+# once for all of them
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 13, 17, 40, 64, 100, 130])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 576), (64, 2048)])
 def test_the_kernels_give_the_plain_kernels_results_to_the_bit(rows, n, k):
     w = _weights(n, k, seed=rows + n)

@@ -42,13 +42,16 @@ def test_the_gemm_matches_float64(rows, n, k):
 
 
 @needs_gemm
-@pytest.mark.parametrize("n", [200, 37])  # up to 16 rows tiles of 8 columns, then of 4 and 1 (37 = 4 x 8 + 4 + 1)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n):
-    x = torch.randn(70, 576).to(torch.bfloat16)
-    w = torch.randn(n, 576).to(torch.bfloat16)
+@pytest.mark.parametrize("n", [200, 37])  # up to 32 rows tiles of 8 columns, then of 4 and 1 (37 = 4 x 8 + 4 + 1)
+# 70 rows: a tile of 64 and one of 16; 40: one of 48; 100 at K = 4,096: chunks of 32 rows, each over passes of
+# 32 columns (gemm_bf16.cpp)
+@pytest.mark.parametrize(("rows", "k"), [(70, 576), (40, 576), (100, 4096)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n, rows, k):
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
     gemm = load_cpu_kernels().gemm_bf16
     batch = gemm(x, w)
-    for i in (0, 15, 16, 31, 32, 69):  # first and last of each 16- and 32-row tile
+    for i in sorted({0, 15, 16, 31, 32, 33, 47, 48, 63, 64, rows - 1} & set(range(rows))):  # each tile's ends
         assert torch.equal(gemm(x[i:i + 1], w)[0], batch[i])
         assert torch.equal(gemm(x[i:i + 16], w)[0], batch[i])
 

@@ -86,8 +86,8 @@ inline void tile(const uint32_t* packed, int64_t mp, const uint16_t* w, int64_t 
   }
 }
 
-// Columns [n0, n0 + NR) for every row: 64-row tiles, then one of 32 and one of 16 for the rest (a tile
-// reaches at most packed_rows(m)).
+// Columns [n0, n0 + NR) for every row: 64-row tiles, then one of 48, 32 or 16 for the rest (a tile reaches at
+// most packed_rows(m)); 32 and 16 rows then 4 columns left 8 or 4 chains of vdpbf16ps waiting on its latency.
 template <int NR, bool Vnni = false>
 inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, int64_t k, int64_t n0, bf16* y,
                          int64_t ldy, bool prefetch, const Ahead& ahead) {
@@ -97,13 +97,14 @@ inline void column_block(const uint32_t* packed, int64_t m, const uint16_t* w, i
   for (; m0 + 48 < m; m0 += 64)
     tile<4, NR, Vnni>(packed, mp, w, k, n0, m0, std::min<int64_t>(64, m - m0), y, ldy, prefetch && m0 == 0,
                       m0 == 0 ? ahead : none);
-  if (m0 + 16 < m) {
-    tile<2, NR, Vnni>(packed, mp, w, k, n0, m0, std::min<int64_t>(32, m - m0), y, ldy, prefetch && m0 == 0,
-                      m0 == 0 ? ahead : none);
-    m0 += 32;
-  }
-  if (m0 < m)
-    tile<1, NR, Vnni>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && m0 == 0, m0 == 0 ? ahead : none);
+  // the rest (at most 48 rows) in one tile of as many registers as it needs
+  const bool first = m0 == 0;
+  if (m - m0 > 32)
+    tile<3, NR, Vnni>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && first, first ? ahead : none);
+  else if (m - m0 > 16)
+    tile<2, NR, Vnni>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && first, first ? ahead : none);
+  else if (m0 < m)
+    tile<1, NR, Vnni>(packed, mp, w, k, n0, m0, m - m0, y, ldy, prefetch && first, first ? ahead : none);
 }
 
 }  // namespace
@@ -182,23 +183,29 @@ void pack_pairs(const bf16*, int64_t, int64_t, int64_t, std::vector<uint32_t>&) 
 
 namespace llmaccel {
 
-torch::Tensor gemm_in_row_chunks(const torch::Tensor& x, int64_t n, const GemmColumns& columns) {
+torch::Tensor gemm_in_row_chunks(const torch::Tensor& x, int64_t n, const GemmColumns& columns, const GemmPass& pass) {
   auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
   auto y = torch::empty({m, n}, xc.options());
   if (m == 0) return y;
   auto* yp = y.data_ptr<at::BFloat16>();
-  // Chunks of rows whose packed pairs stay in L2 while every weight passes them.
-  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
-  std::vector<uint32_t> packed;
-  for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-    const int64_t rows = std::min(chunk, m - r0);
-    pack_pairs(xc.data_ptr<at::BFloat16>() + r0 * k, k, rows, k, packed);
-    const int64_t blocks = (n + kPanel - 1) / kPanel;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      columns(packed.data(), rows, yp + r0 * n, b0 * kPanel, std::min(n, b1 * kPanel));
-    });
-  }
+  const int64_t chunk = gemm_chunk_rows(k);  // all packed first
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  std::vector<std::vector<uint32_t>> packed(chunks);
+  for (int64_t c = 0; c < chunks; ++c)
+    pack_pairs(xc.data_ptr<at::BFloat16>() + c * chunk * k, k, std::min(chunk, m - c * chunk), k, packed[c]);
+  // Every chunk of rows over a thread's columns a pass of them at a time, the pass's weights staying in L2 from
+  // one chunk to the next: a weight comes from memory once, where a chunk at a time over all the columns read it
+  // from memory once a chunk.
+  const int64_t width = std::max<int64_t>(kPanel, (256 * 1024 / (2 * k)) / kPanel * kPanel);
+  const int64_t blocks = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0 * kPanel; c0 < std::min(n, b1 * kPanel); c0 += width) {
+      const int64_t c1 = std::min({n, b1 * kPanel, c0 + width});
+      if (pass) pass(c0, c1);
+      for (int64_t c = 0; c < chunks; ++c) columns(packed[c].data(), std::min(chunk, m - c * chunk), yp + c * chunk * n, c0, c1);
+    }
+  });
   return y;
 }
 

@@ -50,19 +50,28 @@ inline __m512 widen16(const c10::BFloat16* p) {
 }
 #endif
 
-// m activation rows in groups of four, then one group of the rest: group(std::integral_constant<int, G>, i0) for
-// rows i0 .. i0 + G - 1 (the streaming bf16 kernels' dot groups: G accumulator pairs a weight row).
-template <typename Group>
-inline void in_groups_of_four(int64_t m, Group&& group) {
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) group(std::integral_constant<int, 4>{}, i);
-  switch (m - i) {
-    case 3: group(std::integral_constant<int, 3>{}, i); break;
-    case 2: group(std::integral_constant<int, 2>{}, i); break;
-    case 1: group(std::integral_constant<int, 1>{}, i); break;
-    default: break;
+// The last group of in_groups_of: `rest` (1 .. R) rows from i.
+template <int R, typename Group>
+inline void rest_group(int64_t rest, int64_t i, Group& group) {
+  if constexpr (R >= 1) {
+    if (rest == R) group(std::integral_constant<int, R>{}, i);
+    else rest_group<R - 1>(rest, i, group);
   }
 }
+
+// m activation rows in groups of G, then one group of the rest: group(std::integral_constant<int, g>, i0) for
+// rows i0 .. i0 + g - 1 (the streaming bf16 kernels' dot groups: g accumulator pairs a weight row).
+template <int G, typename Group>
+inline void in_groups_of(int64_t m, Group&& group) {
+  int64_t i = 0;
+  for (; i + G <= m; i += G) group(std::integral_constant<int, G>{}, i);
+  if (i < m) rest_group<G - 1>(m - i, i, group);
+}
+
+// Activation rows the AVX512-BF16 streaming kernels take against a weight row at once: 8 keep 16 accumulators in
+// registers, and a weight row is read (and the compact layout's decoded) once for 8 rows where groups of 4 read
+// it twice, the second time with the memory idle.
+constexpr int kDotRows = 8;
 
 constexpr int64_t kBlock = 32;  // inputs per INT8 activation block (and per INT4 group)
 constexpr int64_t kPanel = 16;  // output columns a float32 weight panel
@@ -177,8 +186,8 @@ void half_panels(const float* x, int64_t m, int64_t k, const uint16_t* panels, b
 // y[i, c] for rows i < m and columns c in [n0, n1), rounded to bfloat16, from bf16 weights w [N, K].
 inline int64_t packed_rows(int64_t m) { return (m + 15) / 16 * 16; }
 // Weight rows (output columns) a tile of the bf16 GEMM takes for m activation rows (gemm_bf16.cpp): 8 while the
-// rows fit one register, whose 4 columns left 4 chains of vdpbf16ps waiting on its latency; else 4.
-inline int64_t gemm_tile_cols(int64_t m) { return packed_rows(m) <= 16 ? 8 : 4; }
+// rows fit two registers, whose 4 columns left 4 or 8 chains of vdpbf16ps waiting on its latency; else 4.
+inline int64_t gemm_tile_cols(int64_t m) { return packed_rows(m) <= 32 ? 8 : 4; }
 
 // The float16 stored at p (GGUF's scales, unaligned), as float32.
 inline float half_bits_to_float(const uint8_t* p) {
@@ -195,7 +204,12 @@ bool bf16_gemm_compiled();
 // packed by pack_pairs, each chunk's columns shared out between threads in panels of 16; `columns(pairs,
 // rows, y of the chunk, c0, c1)` computes columns [c0, c1) of a chunk (rows `N` apart).
 using GemmColumns = std::function<void(const uint32_t*, int64_t, c10::BFloat16*, int64_t, int64_t)>;
-at::Tensor gemm_in_row_chunks(const at::Tensor& x, int64_t n, const GemmColumns& columns);
+// Readies weight rows [c0, c1) for every chunk of rows that follows (the compact layout decodes them once).
+using GemmPass = std::function<void(int64_t, int64_t)>;
+// Rows a chunk of gemm_in_row_chunks takes at K inputs: their packed pairs stay in L2 while a tile's columns pass.
+inline int64_t gemm_chunk_rows(int64_t k) { return std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32); }
+at::Tensor gemm_in_row_chunks(const at::Tensor& x, int64_t n, const GemmColumns& columns,
+                              const GemmPass& pass = nullptr);
 
 // bfloat16 weights packed for AMX (linear_vnni.cpp): blocks of 32 output columns, each [K / 2, 32, 2].
 // Columns [c0, c1) of y (float32 sums rounded to bfloat16, rows `ldy` apart) for m rows of bfloat16

@@ -87,6 +87,7 @@ void bf16_dot_group(const uint16_t* xb, const uint16_t* wr, float* y, int64_t ld
   for (int g = 0; g < G; ++g) c[g][0] = c[g][1] = _mm512_setzero_ps();
   for (int64_t j = 0; j < k64; j += 64) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + j), w1 = (__m512bh)_mm512_loadu_si512(wr + j + 32);
+    if (G > 2) prefetch_ahead(reinterpret_cast<const uint8_t*>(wr + j), 128);
     for (int g = 0; g < G; ++g) {
       const uint16_t* xr = xb + (i0 + g) * k + j;
       c[g][0] = _mm512_dpbf16_ps(c[g][0], (__m512bh)_mm512_loadu_si512(xr), w0);
@@ -109,7 +110,7 @@ void bf16_row(const float* x, const uint16_t* xb, const uint16_t* w, float* y, i
   const uint16_t* wr = w + r * k;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if (xb != nullptr) {
-    in_groups_of_four(m, [&](auto g, int64_t i) { bf16_dot_group<decltype(g)::value>(xb, wr, y, ldy, k, i, r); });
+    in_groups_of<kDotRows>(m, [&](auto g, int64_t i) { bf16_dot_group<decltype(g)::value>(xb, wr, y, ldy, k, i, r); });
     return;
   }
 #endif

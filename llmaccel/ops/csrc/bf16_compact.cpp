@@ -130,7 +130,7 @@ void compact_dot_group(const uint16_t* xb, const CompactView& w, __m512i table, 
   __m512 c[G][2];
   for (int g = 0; g < G; ++g) c[g][0] = c[g][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < per_row; ++b, block += kCompactBytes) {
-    if (G > 2) prefetch_ahead(block, 128);
+    if (G > 1) prefetch_ahead(block, 128);  // as bf16_dot_group does (linear_bf16.cpp)
     __m512i w0, w1;
     if (any_whole && compact_is_whole(w, r, b)) {
       w0 = _mm512_loadu_si512(whole);

@@ -12,7 +12,8 @@
 // which read each weight twice at 64 rows (measured on a Zen 4 with 30 layers' distinct weights). Up to 16 rows a
 // tile holds one register of rows, and 4 columns left 4 chains of vdpbf16ps waiting on its latency: 8 columns
 // took a 1B-shaped layer's projections at 1-16 rows to 0.62x their time from memory (the compact layout's GEMM,
-// decoding 8 rows at a time for it, to 0.58x; 2-core AMD EPYC Zen 5). Every output sums
+// decoding 8 rows at a time for it, to 0.58x; 2-core AMD EPYC Zen 5); tiles of 2 registers take 8 columns too, and
+// 33-48 rows one tile of 3 (gemm_tile_cols, column_block). Every output sums
 // its pairs in order p = 0, 1, ..., so a row's result does not depend on the tile, the thread or the
 // rows beside it; the same GEMM reads the vnni layout too (bf16_gemm_vnni_columns), and linear_vnni.cpp's
 // ordered_stream sums a few rows in this order, so --batch-invariant runs the two (ops/kernel_choice.py).

@@ -130,7 +130,9 @@ void compact_dot_group(const uint16_t* xb, const CompactView& w, __m512i table, 
   __m512 c[G][2];
   for (int g = 0; g < G; ++g) c[g][0] = c[g][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < per_row; ++b, block += kCompactBytes) {
-    if (G > 1) prefetch_ahead(block, 128);  // as bf16_dot_group does (linear_bf16.cpp)
+    // the weights 40 KB ahead, as bf16_dot_group does from 2 rows (linear_bf16.cpp), and here at one row too: an 8B
+    // down projection (K = 14,336) read 30 GB/s without it and 42 with it, the others 1.0-1.06x (2-core Zen 5)
+    prefetch_ahead(block, 128);
     __m512i w0, w1;
     if (any_whole && compact_is_whole(w, r, b)) {
       w0 = _mm512_loadu_si512(whole);

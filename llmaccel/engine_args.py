@@ -33,7 +33,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "layout's ordered kernels; needs AVX512-BF16 for bfloat16); see docs/benchmarks.md")
     parser.add_argument("--bf16-layout", default="auto", choices=("auto", "plain", "vnni", "compact"),
                         help="how bfloat16 weights are held on the CPU: auto takes the layout whose kernels are "
-                             "fastest over the row counts timed at load (cached per machine and shape); compact "
+                             "fastest over the row counts timed at load (cached per machine and shape), or compact "
+                             "where it is within 10%% of that; compact "
                              "holds each weight in 12 bits, losslessly (0.75 of the memory: a lone request reads "
                              "fewer bytes a token, batches pay for the decoding; needs AVX512-BF16); vnni packs "
                              "them for AMX; plain as the checkpoint has them")

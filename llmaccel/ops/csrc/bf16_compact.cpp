@@ -93,7 +93,7 @@ void compact_unpack_rows(const CompactView& w, int64_t r0, int64_t r1, uint16_t*
     const uint8_t* block = w.blocks + r * per_row * kCompactBytes;
     const uint16_t* whole = w.whole + w.first_whole[r] * kCompactBlock;
     uint16_t* row = out + (r - r0) * w.k;
-    const bool any_whole = w.first_whole[r + 1] > w.first_whole[r];  // (most rows have none: no test a block)
+    const bool any_whole = compact_row_has_whole(w, r);
     for (int64_t b = 0; b < per_row; ++b, block += kCompactBytes, row += kCompactBlock) {
       if (any_whole && compact_is_whole(w, r, b)) {
         std::memcpy(row, whole, kCompactBlock * 2);
@@ -126,7 +126,7 @@ void compact_dot_group(const uint16_t* xb, const CompactView& w, __m512i table, 
   const int64_t per_row = w.k / kCompactBlock;
   const uint8_t* block = w.blocks + r * per_row * kCompactBytes;
   const uint16_t* whole = w.whole + w.first_whole[r] * kCompactBlock;
-  const bool any_whole = w.first_whole[r + 1] > w.first_whole[r];
+  const bool any_whole = compact_row_has_whole(w, r);
   __m512 c[G][2];
   for (int g = 0; g < G; ++g) c[g][0] = c[g][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < per_row; ++b, block += kCompactBytes) {
@@ -161,21 +161,20 @@ LLMACCEL_ONE_COPY void compact_columns(const uint16_t* xb, const CompactView& w,
     in_groups_of<kDotRows>(m, [&](auto g, int64_t i) { compact_dot_group<decltype(g)::value>(xb, w, table, y, ldy, i, r); });
 }
 
-// The GEMM (gemm_bf16.cpp) on 16 weight rows at a time, each group decoded into a buffer that stays in
-// L2 while the rows' tiles read it: the same sums as on the plain layout, at the cost of one decode a
-// weight a call (a 64-row batch does 2 x 64 multiply-adds a weight).
+// The GEMM (gemm_bf16.cpp) on one tile's columns of weight rows at a time (gemm_tile_cols: 4 or 8), each group
+// decoded into a buffer that stays in L1 while the rows' tiles read it: the same sums as on the plain layout, at the
+// cost of one decode a weight a call (a 64-row batch does 2 x 64 multiply-adds a weight).
 LLMACCEL_ONE_COPY void compact_gemm_columns(const uint32_t* packed, int64_t m, const CompactView& w, bf16* y,
                                             int64_t ldy, int64_t n0, int64_t n1) {
-  // rows decoded at a time, one tile's columns: 16-32 KB at K = 2,048, read by the tile from L1
-  const int64_t kGroup = gemm_tile_cols(m);
+  const int64_t group = gemm_tile_cols(m);  // 16-32 KB decoded at K = 2,048
   thread_local std::vector<uint16_t> rows;
-  rows.resize(kGroup * w.k);
+  rows.resize(group * w.k);
   const int64_t row_bytes = w.k / kCompactBlock * kCompactBytes;
-  for (int64_t c = n0; c < n1; c += kGroup) {
-    const int64_t count = std::min(kGroup, n1 - c);
+  for (int64_t c = n0; c < n1; c += group) {
+    const int64_t count = std::min(group, n1 - c);
     compact_unpack_rows(w, c, c + count, rows.data());
     // the next group's blocks come into L2 while this one's tiles run (decoding reads them then, not memory)
-    const int64_t next = std::min(kGroup, n1 - c - count);
+    const int64_t next = std::min(group, n1 - c - count);
     bf16_gemm_columns(packed, m, rows.data(), w.k, y + c, ldy, 0, count, w.blocks + (c + count) * row_bytes,
                       next * row_bytes);
   }

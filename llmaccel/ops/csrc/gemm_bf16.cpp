@@ -33,7 +33,7 @@ namespace llmaccel {
 namespace {
 
 constexpr int kTileCols = 4;
-constexpr int kWideCols = 8;  // gemm_tile_cols (kernels.h): up to 16 rows
+constexpr int kWideCols = 8;  // gemm_tile_cols (kernels.h): up to 32 rows
 
 // Other bytes a tile requests into L2 as it runs, one line every `steps` pairs: the compact layout's next
 // rows (bf16_compact.cpp), which are decoded rather than read by the tile.

@@ -167,24 +167,6 @@ constexpr int64_t kWeightBytes = 512;  // a block's weights: 8 chunks of 16 rows
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int kPassRows = 2;  // one or two rows: three and more take tile_pass (below)
 
-// Rows i0 .. i0 + MR - 1 of the activations (past the real `rows` the last again: those sums are not stored): their
-// INT8 codes four at a time, their blocks' scales and integer sums.
-template <int MR>
-struct PassRows {
-  const int32_t* q[MR];
-  const float* d[MR];
-  const int32_t* sum[MR];
-  PassRows(const QuantizedRows& a, int64_t i0, int rows, int64_t k) {
-    const int64_t nb = k / kBlock;
-    for (int r = 0; r < MR; ++r) {
-      const int64_t i = i0 + std::min(r, rows - 1);
-      q[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
-      d[r] = a.d.data() + i * nb;
-      sum[r] = a.qsum.data() + i * nb;
-    }
-  }
-};
-
 // Blocks alternate between two sums (even, odd: alternate_blocks, kernels.h); activations, their scales and sums
 // are broadcast straight from memory (the compiler's GPR round trip and a branch a block kept the kernel at ~0.6x
 // of its vpdpbusd rate at 2,048 rows).
@@ -210,7 +192,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
       }
       // (w + 128) . x - 128 * sum(x) = w . x, exactly
       const __m512i dot =
-          _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(x.sum[r][b]), 7));
+          _mm512_sub_epi32(_mm512_add_epi32(dot_a, dot_b), _mm512_slli_epi32(_mm512_set1_epi32(x.qsum[r][b]), 7));
       const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r][b]));
       acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot), acc[r]);
     }
@@ -317,7 +299,7 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
     for (int g = 0; g < NR; ++g) block[g] = group0 + g * group_bytes + b * stride;
     __m512i dot[MR][NR];
     for (int r = 0; r < MR; ++r) {
-      const __m512i start = _mm512_set1_epi32(-(x.sum[r][b] << 7));  // (w + 128) . x - 128 * sum(x) = w . x
+      const __m512i start = _mm512_set1_epi32(-(x.qsum[r][b] << 7));  // (w + 128) . x - 128 * sum(x) = w . x
       for (int g = 0; g < NR; ++g) dot[r][g] = start;
     }
     for (int t = 0; t < 8; ++t) {

@@ -44,15 +44,7 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 even[MR], odd[MR];
   for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const int32_t* xq[MR];
-  const float* xd[MR];
-  const float* xs[MR];
-  for (int r = 0; r < MR; ++r) {
-    const int64_t i = i0 + std::min(r, rows - 1);
-    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
-    xd[r] = a.d.data() + i * nb;
-    xs[r] = a.dsum.data() + i * nb;
-  }
+  const PassRows<MR> x(a, i0, rows, k);
   auto step = [&](int64_t b, __m512* accs) {
     const uint8_t* block = group + b * kInt4BlockBytes;
     __m512i lo[4], hi[4];
@@ -64,19 +56,19 @@ void group_pass(const QuantizedRows& a, const uint8_t* group, int64_t nb, int64_
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kScaleAt)));
     const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kOffsetAt)));
     for (int r = 0; r < MR; ++r) {
-      const int32_t* x4 = xq[r] + 8 * b;  // the block's 32 activation bytes, four at a time
+      const int32_t* x4 = x.q[r] + 8 * b;  // the block's 32 activation bytes, four at a time
       __m512i dot_lo = _mm512_setzero_si512(), dot_hi = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
         dot_lo = _mm512_dpbusd_epi32(dot_lo, lo[t], _mm512_set1_epi32(x4[2 * t]));
         dot_hi = _mm512_dpbusd_epi32(dot_hi, hi[t], _mm512_set1_epi32(x4[2 * t + 1]));
       }
-      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r][b]));
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot_lo, dot_hi));
       // the block's offset term joins its accumulator by FMA, after its dot: a fixed order of builtins the
       // compiler may not reassociate under -ffast-math (a third accumulator summed at the end was, for one
       // row a pass and not for more, so a row's result depended on the rows beside it)
       accs[r] = _mm512_fmadd_ps(ds, dot, accs[r]);
-      accs[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r][b]), accs[r]);
+      accs[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.dsum[r][b]), accs[r]);
     }
   };
   alternate_blocks(nb, step, even, odd);
@@ -100,15 +92,7 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
   __m512 even[MR][NR], odd[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int g = 0; g < NR; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-  const int32_t* xq[MR];
-  const float* xd[MR];
-  const float* xs[MR];
-  for (int r = 0; r < MR; ++r) {
-    const int64_t i = i0 + std::min(r, rows - 1);  // (spare rows repeat the last; not stored)
-    xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
-    xd[r] = a.d.data() + i * nb;
-    xs[r] = a.dsum.data() + i * nb;
-  }
+  const PassRows<MR> x(a, i0, rows, k);
   auto step = [&](int64_t b, __m512 (*accs)[NR]) {
     const uint8_t* block[NR];
     for (int g = 0; g < NR; ++g) block[g] = group0 + g * group_bytes + b * kInt4BlockBytes;
@@ -123,7 +107,7 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
         hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
       for (int r = 0; r < MR; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(xq[r][8 * b + 2 * t]), x1 = _mm512_set1_epi32(xq[r][8 * b + 2 * t + 1]);
+        const __m512i x0 = _mm512_set1_epi32(x.q[r][8 * b + 2 * t]), x1 = _mm512_set1_epi32(x.q[r][8 * b + 2 * t + 1]);
         for (int g = 0; g < NR; ++g) dot[r][g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][g], lo[g], x0), hi[g], x1);
       }
     }
@@ -131,9 +115,9 @@ void tile_pass(const QuantizedRows& a, const uint8_t* group0, int64_t group_byte
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[g] + kScaleAt)));
       const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[g] + kOffsetAt)));
       for (int r = 0; r < MR; ++r) {
-        const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r][b]));
+        const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r][b]));
         accs[r][g] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[r][g]), accs[r][g]);
-        accs[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r][b]), accs[r][g]);
+        accs[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.dsum[r][b]), accs[r][g]);
       }
     }
   };

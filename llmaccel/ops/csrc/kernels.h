@@ -94,6 +94,26 @@ struct QuantizedRows {
   std::vector<int32_t> qsum16;  // [M, K / 16]: sum(q) of each half block (Q6_K's -32 correction, kquant.cpp)
 };
 
+// Rows i0 .. i0 + MR - 1 of quantized activations for a pass of the INT8 and INT4 kernels (past the real `rows` the
+// last again: those sums are not stored): their INT8 codes four at a time and their blocks' d, d * sum(q), sum(q).
+template <int MR>
+struct PassRows {
+  const int32_t* q[MR];
+  const float* d[MR];
+  const float* dsum[MR];
+  const int32_t* qsum[MR];
+  PassRows(const QuantizedRows& a, int64_t i0, int rows, int64_t k) {
+    const int64_t nb = k / kBlock;
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = i0 + std::min(r, rows - 1);
+      q[r] = reinterpret_cast<const int32_t*>(a.q.data() + i * k);
+      d[r] = a.d.data() + i * nb;
+      dsum[r] = a.dsum.data() + i * nb;
+      qsum[r] = a.qsum.data() + i * nb;
+    }
+  }
+};
+
 // The block kernels' batches (gemv.cpp, gemv_int4.cpp, kquant.cpp; AVX512-VNNI): from kTileFromRows rows on, passes
 // of kTileRows activation rows x kTileGroups weight groups, kSweepRows rows at a time over the groups (their INT8
 // codes stay in L2/L3 while the groups pass). gemv.cpp's tile_pass says why.
@@ -252,6 +272,8 @@ CompactView compact_view(const at::Tensor& packed);  // checks the tensor is one
 inline bool compact_is_whole(const CompactView& w, int64_t r, int64_t b) {
   return (w.bitmap[r * w.words + b / 64] >> (b % 64)) & 1;
 }
+// Whether row r keeps any block whole (most rows keep none, and their blocks need no test).
+inline bool compact_row_has_whole(const CompactView& w, int64_t r) { return w.first_whole[r + 1] > w.first_whole[r]; }
 #if defined(__AVX512BW__)
 inline __m512i compact_table(const CompactView& w) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.high)));

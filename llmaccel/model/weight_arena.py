@@ -113,9 +113,10 @@ class WeightArena:
         # the placed ones' mapping stayed resident until the last of them was: with its layers in the plain layout
         # and its LM head moved to the compact one, a 1B bf16 model peaked at 4.46 GB (2.61 now) and an 8B one was
         # killed at 24 GB on a 24 GB machine.
-        arenas = {id(a): a for a in (LoadArena.holding([t]) for t in tensors) if a is not None}
-        placed = sum(t.nbytes for t in tensors if LoadArena.holding([t]) is not None)
-        tensors = [t for t in tensors if LoadArena.holding([t]) is None]
+        homes = [LoadArena.holding([t]) for t in tensors]
+        arenas = {id(a): a for a in homes if a is not None}
+        placed = sum(t.nbytes for t, home in zip(tensors, homes, strict=True) if home is not None)
+        tensors = [t for t, home in zip(tensors, homes, strict=True) if home is None]
         self.mappings = len(arenas) + (1 if tensors else 0)
         sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
         self.nbytes = placed + sum(sizes)

@@ -189,12 +189,59 @@ def test_kernels_are_timed_taking_turns_and_each_gets_its_median(monkeypatch):
     def run_once(kernel: str) -> None:
         calls.append(kernel)
         timed = [k for k in calls[3:] if k == kernel]  # after the three warm-up calls
-        clock[0] += cost[kernel][len(timed) - 1] if timed else 100.0
+        clock[0] += cost[kernel][len(timed) - 1] if timed else 0.01  # warm-ups far below MIN_TIMED_SECONDS
 
     monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: clock[0])
     medians = kernel_choice._interleaved_seconds(("a", "b", "c"), run_once, rounds=4)
     assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
-    assert medians == {"a": 3.0, "b": 5.0, "c": 7.0}  # the upper median of four; no warm-up call counted
+    assert medians == pytest.approx({"a": 3.0, "b": 5.0, "c": 7.0})  # the upper median of four; no warm-up counted
+
+
+def test_long_calls_are_timed_in_fewer_rounds(monkeypatch):
+    """Rounds enough for MIN_TIMED_SECONDS a kernel by the slowest warm-up; none past the warm-up where the
+    caller's last bucket was that long already."""
+    clock, calls = [0.0], []
+    seconds = {"a": 0.1, "b": 0.06}
+
+    def run_once(kernel: str) -> None:
+        calls.append(kernel)
+        clock[0] += seconds[kernel]
+
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: clock[0])
+    assert kernel_choice.MIN_TIMED_SECONDS == 0.25
+    kernel_choice._interleaved_seconds(("a", "b"), run_once, rounds=5)  # ceil(0.25 / 0.1): three rounds
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    calls.clear()
+    seconds.update(a=0.5, b=0.3)
+    assert kernel_choice._interleaved_seconds(("a", "b"), run_once, rounds=5) == pytest.approx({"a": 0.5, "b": 0.3})
+    assert calls == ["a", "b", "a", "b"]  # the warm-up, then one round
+    calls.clear()
+    kernel_choice._interleaved_seconds(("a", "b"), run_once, rounds=5, warm_up=False)
+    assert calls == ["a", "b"]
+
+
+def test_a_bucket_after_long_calls_is_timed_without_warm_up(monkeypatch):
+    warm_ups = []
+
+    def interleaved(kernels, run_once, rounds, warm_up=True):
+        warm_ups.append(warm_up)
+        return {kernel: 0.3 if len(warm_ups) >= 3 else 0.01 for kernel in kernels}  # long from the third bucket
+
+    monkeypatch.setattr(kernel_choice, "_interleaved_seconds", interleaved)
+    w = kernel_choice._Weight(torch.randn(16, 64).to(torch.bfloat16))
+    kernel_choice._fastest([w], (24, 32, 48, 64, 96), ("gemm", "onednn"), {}, ())
+    assert warm_ups == [True, True, True, False, False]
+
+
+def test_each_weight_gets_one_float64_reference_whatever_the_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    products = []
+    real = kernel_choice._float64_product
+    monkeypatch.setattr(kernel_choice, "_float64_product", lambda x, w: products.append(len(x)) or real(x, w))
+    weights = [torch.randn(48, 64).to(torch.bfloat16), torch.randn(64, 128).to(torch.bfloat16)]
+    tune_bf16(weights, torch.randn(80, 64).to(torch.bfloat16))
+    assert len(candidates()) > 1 and products == [sum(kernel_choice.CHECK_ROWS)] * 3  # both row counts in one pass
 
 
 def test_a_forced_kernel_this_cpu_lacks_is_named(monkeypatch):

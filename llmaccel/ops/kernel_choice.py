@@ -63,6 +63,10 @@ STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads ev
 # the compact layout reads 0.75 of the bytes and decodes them, which loses in cache (4-16 rows of a 1B
 # shape's layer: 1.0-1.3x the plain kernels' time on a Zen 4) and wins from memory, as a step reads.
 DECODE_ROWS = 16
+# A bucket's kernels are timed for about this long each: past ~100 rows a call is compute-bound and lasts a
+# quarter second or more at the 8B shape (a 1,024-row pass of a layer 1.1-1.5 s), where repeats moved a kernel's
+# time by 0-4%, against the 10-30% between kernels; four calls each there took 55 of the timing's 116 s.
+MIN_TIMED_SECONDS = 0.25
 MAX_RELATIVE_ERROR = 2e-2  # bf16 outputs carry ~4e-3; a wrong kernel is off by far more
 PACKED_KERNELS = ("vnni_stream", "brgemm")  # the kernels that read the vnni layout with AMX's help
 # the vnni layout's kernels on any AVX512-BF16 CPU, both summing in the plain `gemm` kernel's order: a row's output
@@ -198,7 +202,27 @@ def run_bf16(kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int | None =
     return F.linear(x, weight)
 
 
-class _Weight:
+CHECK_ROWS = (3, 37)  # a kernel's output is checked at a few rows and at many
+
+
+class _Checked:
+    """A weight to time (`plain`: its float values) with its check cases, made on first use and kept: inputs at
+    CHECK_ROWS rows and their float64 products, one reference a weight whichever kernels are checked against it
+    (made per kernel, the 8B shape's references took 27 s of a 116 s timing)."""
+
+    plain: torch.Tensor
+    _cases: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def check_cases(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._cases is None:
+            generator = torch.Generator().manual_seed(0)
+            xs = [torch.randn(rows, self.plain.shape[1], generator=generator).to(torch.bfloat16) for rows in CHECK_ROWS]
+            references = _float64_product(torch.cat(xs), self.plain).split(CHECK_ROWS)  # one pass over the weight
+            self._cases = list(zip(xs, references, strict=True))
+        return self._cases
+
+
+class _Weight(_Checked):
     """A plain weight and, made on first use, its copy in each other layout: each kernel reads its own."""
 
     def __init__(self, plain: torch.Tensor) -> None:
@@ -218,7 +242,7 @@ class _Weight:
         return run_bf16(kernel, x, self._layouts[layout], self.plain.shape[0])
 
 
-class _QuantizedWeight:
+class _QuantizedWeight(_Checked):
     """An INT8/INT4 module in llmaccel's blocks, run by the streaming or the AMX kernel; `plain` is its
     weight in float32 (the reference, and the shapes)."""
 
@@ -229,14 +253,21 @@ class _QuantizedWeight:
         return self.module.block_product(x, kernel)
 
 
-def _interleaved_seconds(kernels: tuple[str, ...], run_once: Callable[[str], None], rounds: int) -> dict[str, float]:
+def _interleaved_seconds(kernels: tuple[str, ...], run_once: Callable[[str], None], rounds: int,
+                         warm_up: bool = True) -> dict[str, float]:
     """Each kernel's median time of `run_once(kernel)`, the kernels taking turns round by round (the order
     rotated each round) after one warm-up call each (oneDNN builds its primitive, caches fill). In turns, not
     one kernel's repeats after another's: this VM's read bandwidth flips between ~50 and ~83 GB/s within
     seconds (a 2-core Zen 5), and timed back to back a flip landed on one kernel's repeats alone (the compact
-    layout's 4-row pass once read 0.58x the plain one's speed; taking turns, 0.9-1.25x)."""
-    for kernel in kernels:
+    layout's 4-row pass once read 0.58x the plain one's speed; taking turns, 0.9-1.25x).
+    Only as many rounds as take MIN_TIMED_SECONDS a kernel by its warm-up call, one at least; `warm_up=False`
+    (the caller's last bucket already took that long a call): one round, no warm-up."""
+    slowest = 0.0
+    for kernel in kernels if warm_up else ():
+        start = time.perf_counter()
         run_once(kernel)
+        slowest = max(slowest, time.perf_counter() - start)
+    rounds = max(1, min(rounds, math.ceil(MIN_TIMED_SECONDS / slowest))) if slowest > 0 else 1
     times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     for r in range(rounds):
         for kernel in kernels[r % len(kernels):] + kernels[:r % len(kernels)]:
@@ -248,15 +279,12 @@ def _interleaved_seconds(kernels: tuple[str, ...], run_once: Callable[[str], Non
 
 def _check(kernel: str, weight: torch.Tensor | _Weight | _QuantizedWeight) -> str | None:
     """None if the kernel matches float64 at a few and at many rows, else what it got wrong."""
-    weight = weight if isinstance(weight, _Weight | _QuantizedWeight) else _Weight(weight)
-    generator = torch.Generator().manual_seed(0)
-    for rows in (3, 37):
-        x = torch.randn(rows, weight.plain.shape[1], generator=generator).to(torch.bfloat16)
-        reference = _float64_product(x, weight.plain)
+    weight = weight if isinstance(weight, _Checked) else _Weight(weight)
+    for x, reference in weight.check_cases():
         error = (weight.run(kernel, x).double() - reference).abs().max().item()
         scale = reference.abs().max().item() or 1.0
         if not error <= MAX_RELATIVE_ERROR * scale:
-            return f"{kernel} at {rows} rows x {tuple(weight.plain.shape)}: error {error:.3g} against {scale:.3g}"
+            return f"{kernel} at {len(x)} rows x {tuple(weight.plain.shape)}: error {error:.3g} against {scale:.3g}"
     return None
 
 
@@ -286,6 +314,7 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
     `few_rows_only` kernels are not timed past STREAM_MAX_ROWS). With `decode_weights` (every layer's),
     the buckets up to DECODE_ROWS are timed over a pass through all of them instead."""
     best: dict[str, list[tuple[int, str, float]]] = {"plain": [], "vnni": [], "compact": []}
+    long_calls = False  # whether every kernel's call at the last bucket took MIN_TIMED_SECONDS: warm, and no noise
     for rows in buckets:
         usable = [k for k in kernels if k not in few_rows_only or rows <= STREAM_MAX_ROWS]
         if decode_weights and rows <= DECODE_ROWS:
@@ -293,7 +322,9 @@ def _fastest(weights: list, buckets: tuple[int, ...], kernels: tuple[str, ...], 
         else:  # one layer's projections (or the head), each once a turn
             repeats = 5 if rows * sum(w.plain.numel() for w in weights) < 64 * 4_000_000 else 3
             calls = [(w, torch.randn(rows, w.plain.shape[1]).to(torch.bfloat16)) for w in weights]
-            totals = _interleaved_seconds(tuple(usable), functools.partial(_run_all, calls), repeats)
+            totals = _interleaved_seconds(tuple(usable), functools.partial(_run_all, calls), repeats,
+                                          warm_up=not long_calls)
+        long_calls = min(totals.values()) >= MIN_TIMED_SECONDS
         timings[str(rows)] = {k: round(v * 1e6, 1) for k, v in totals.items()}
         for layout in best:
             names = [k for k in totals if kernel_layout(k) == layout]

@@ -229,3 +229,33 @@ def test_a_gpt2_gguf_file_runs_as_its_hf_checkpoint(tiny_model_dirs, tmp_path, t
     assert llm.tokenizer.encode("你好，世界 hello") == tiny_tokenizer.encode("你好，世界 hello")
     with pytest.raises(ValueError, match="runs the quantized tensors of llama-architecture GGUF files"):
         LLM(str(path), quantization="gguf")
+
+
+def test_read_into_asks_the_disk_for_each_slice_once_a_slice_ahead(tied_dir, tmp_path, tiny_tokenizer, monkeypatch):
+    """The first slice before it is copied, each other while the one before it is (its file rows: q's come from
+    rows llama.cpp's order scatters); the values are the tensor's either way."""
+    from llmaccel.model.gguf import weights as gguf_weights
+    from llmaccel.model.loader import load_checkpoint
+
+    path = _write(tied_dir, tmp_path, Q.BF16, tiny_tokenizer)
+    weights = load_checkpoint(str(path)).weights
+    monkeypatch.setattr(gguf_weights, "READ_ROWS", 5)
+    asked = []
+    monkeypatch.setattr(weights.file, "prefetch", lambda tensor, rows: asked.append(rows))
+    copied = []
+    real_release = weights.file.release
+    monkeypatch.setattr(weights.file, "release", lambda tensor, rows=None: copied.append((len(asked), rows))
+                        or real_release(tensor, rows))
+    for name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        asked.clear()
+        copied.clear()
+        rows, k = weights.shape(name)
+        order = weights.order(name)
+        file_rows = np.arange(rows) if order is None else order
+        slices = [(int(file_rows[s:s + 5].min()), int(file_rows[s:s + 5].max()) + 1) for s in range(0, rows, 5)]
+        out = torch.empty(rows, k, dtype=torch.bfloat16)
+        weights.read_into(name, out)
+        assert asked == slices and len(slices) > 2 and (order is None) == name.endswith("v_proj.weight")
+        # when slice i was copied (and handed back), slices 0 .. i + 1 had been asked for
+        assert copied == [(min(i + 2, len(slices)), slices[i]) for i in range(len(slices))]
+        assert torch.equal(out, weights[name].bfloat16())

@@ -125,6 +125,44 @@ def test_a_bfloat16_models_weights_are_read_once_into_the_mapping_a_step_streams
         assert torch.equal(want, torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).bfloat16())
 
 
+@pytest.mark.skipif(not (compact_available() and hasattr(load_cpu_kernels(), "DecodeStack")),
+                    reason="no compact-layout kernels on this CPU")
+def test_weights_moved_to_the_compact_layout_at_load_are_packed_into_the_mapping_a_step_streams(
+        tiny_model_dirs, tmp_path, monkeypatch):
+    """Each weight is packed at the next 64-byte boundary of one mapping, in step order (the layers, then the head),
+    with no page padding: the decode stack's WeightArena (which pads to pages) copied nothing; every weight decodes
+    to the checkpoint's bits."""
+    from safetensors.torch import load_file
+
+    from llmaccel.ops.kernel_choice import LAYOUT_ENV
+
+    monkeypatch.setenv("LLMACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(LAYOUT_ENV, "compact")
+    hf_dir = tiny_model_dirs["llama-tied"]
+    model = LLM(model=str(hf_dir), dtype="bfloat16", num_kv_blocks=16).engine.runner.model
+    tensors = _step_weights(model)
+    assert all(m.compact is t for m, t in zip([*(m for layer in model.layers for m in layer.projections),
+                                               model.lm_head], tensors, strict=True))
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    for t, following in zip(tensors, [t.data_ptr() for t in tensors[1:]], strict=False):
+        assert following == -(-(t.data_ptr() + t.nbytes) // LoadArena.ALIGN) * LoadArena.ALIGN
+    stored = load_file(next(hf_dir.glob("*.safetensors")))
+    p = "model.layers.1."
+    want = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).bfloat16()
+    assert torch.equal(compact_rows(model.layers[1].qkv.compact, torch.arange(len(want))), want)
+
+
+def test_a_writer_that_learns_its_size_claims_what_it_wrote_at_the_front_of_the_rest():
+    arena = LoadArena(4096)
+    arena.take((100,))
+    rest = arena.rest()
+    assert rest.data_ptr() == arena.whole.data_ptr() + 128 and rest.numel() == 4096 - 128  # the next 64-byte edge
+    assert arena.claim(rest[:1000]) and arena.used == 1128
+    assert not arena.claim(torch.zeros(10, dtype=torch.uint8))  # made elsewhere: nothing taken
+    assert not arena.claim(arena.rest()[64:128]) and arena.used == 1128  # not at the front
+    assert arena.claim(arena.rest()) and arena.rest().numel() == 0 and not arena.claim(arena.rest())
+
+
 def test_a_weight_given_back_leaves_its_whole_pages_and_nothing_else():
     """The pages under a weight that moved to another layout return to the OS (they read as zero again); the
     page it shares with a neighbour, and the neighbours, keep their bytes."""

@@ -208,8 +208,9 @@ class CausalLM(nn.Module):
         self.rotary = self.build_rotary(max_positions, dtype, device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
                                         scale=spec.attention_scale, softcap=spec.attn_softcap)
+        compact_arena = None  # alive until the decode stack has found its weights there (nothing else holds it)
         if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
-            choose_bf16_kernels(self, batch_invariant, bf16_layout)
+            compact_arena = choose_bf16_kernels(self, batch_invariant, bf16_layout)
             choose_quantized_kernels(self)
             return_freed_memory()  # the timing's inputs and layout copies (~1 GB at 8B) leave no resident heap
         self.decode_stack = None
@@ -217,6 +218,7 @@ class CausalLM(nn.Module):
             from llmaccel.model.decode_stack import build_decode_stack
 
             self.decode_stack = build_decode_stack(self)  # None: layer by layer (the reason logged)
+        del compact_arena
 
     def weight_names(self, take: WeightLoader) -> tuple[str, str, str]:
         """(embedding, LM head, final norm) tensor names in this checkpoint."""
@@ -325,27 +327,40 @@ def _streamed_layers(model: CausalLM) -> list[nn.Module]:
     return chosen
 
 
-def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | None = None) -> None:
+def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | None = None) -> LoadArena | None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
     plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
     (ops/kernel_choice.py); `invariant`: among the batch-invariant kernels only. A tied embedding table is the
-    head's weight: it reads its rows in that layout."""
+    head's weight: it reads its rows in that layout. Returns the arena the compact layout's weights were written
+    into (_compact_arena), or None: the caller keeps it until the decode stack has looked there."""
     modules = tuple(model.layers[0].projections)
     plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
     head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.weight is not None else None
     if head is not None and head.weight.dtype != torch.bfloat16:
         head = None
     if not plain and head is None:
-        return
+        return None
     every = ([m.weight for m in _streamed_layers(model) if isinstance(m, Linear) and m.weight is not None]
              if plain else [])
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
                                            head.weight if head is not None else None, every, invariant, layout)
-    if layers_choice is not None:
-        for m in _all_projections(model):
-            m.set_bf16_choice(layers_choice)
-    if head is not None:
-        head.set_bf16_choice(head_choice)
+    moves = [(m, layers_choice) for m in _all_projections(model)] if layers_choice is not None else []
+    moves += [(head, head_choice)] if head is not None else []
+    arena = _compact_arena([m for m, choice in moves if choice.layout == "compact" and m.weight is not None])
+    for m, choice in moves:
+        m.set_bf16_choice(choice, arena)
+    return arena
+
+
+def _compact_arena(modules: list[Linear]) -> LoadArena | None:
+    """A mapping for these plain weights' compact copies, written in place as each is packed (in the order a step
+    reads them), so the decode stack finds nothing to copy: each takes ~0.76 of its plain bytes, and the mapping
+    is sized at the plain bytes, whose untouched tail never becomes resident. Packed into memory of their own and
+    copied into the decode stack's mapping, an 8B shape's weights filled 11 GB of fresh pages twice, which the
+    kernel zeroes first (a third of a load's time on a 2-core VM)."""
+    if not modules:
+        return None
+    return LoadArena(sum(m.weight.nbytes + 2 * LoadArena.ALIGN for m in modules))
 
 
 def unify_bf16_kernels(model: CausalLM, rows: int) -> None:

@@ -124,14 +124,18 @@ class Linear(nn.Module):
             return True
         return self.weight is not None and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
 
-    def set_bf16_choice(self, choice: Bf16Choice) -> None:
+    def set_bf16_choice(self, choice: Bf16Choice, arena: LoadArena | None = None) -> None:
         """Run `choice`'s kernels from now on, the weight moved into its layout (one copy either way: a plain
-        weight read in place at load hands its pages back, model/weight_arena.LoadArena.give_back)."""
+        weight read in place at load hands its pages back, model/weight_arena.LoadArena.give_back). `arena`:
+        where a weight moved to the compact layout is written (and then streamed from), else memory of its own."""
         held = "vnni" if self.vnni is not None else "compact" if self.compact is not None else "plain"
         if choice.layout != held and held != "plain":
             raise ValueError(f"a bf16 weight in the {held} layout cannot move to the {choice.layout} one")
         if choice.layout in ("vnni", "compact") and held == "plain":
-            moved, old = layout_weight(self.weight, choice.layout), self.weight
+            into = arena.rest() if arena is not None and choice.layout == "compact" else None
+            moved, old = layout_weight(self.weight, choice.layout, into), self.weight
+            if into is not None:
+                arena.claim(moved)
             self.weight = None
             if choice.layout == "vnni":
                 self.vnni = moved

@@ -75,6 +75,20 @@ class LoadArena:
         self.used = end
         return self.whole[start:end].view(shape)
 
+    def rest(self) -> torch.Tensor:
+        """The free bytes from the next aligned offset on: for a writer that learns its size as it writes (the
+        compact layout's packer), which `claim` then marks as taken."""
+        start = min(-(-self.used // self.ALIGN) * self.ALIGN, self.whole.numel())
+        return self.whole[start:]
+
+    def claim(self, made: torch.Tensor) -> bool:
+        """Marks `made` as taken where it was written at the front of `rest()`; False where it lies elsewhere."""
+        rest = self.rest()
+        if rest.numel() == 0 or made.data_ptr() != rest.data_ptr() or made.nbytes > rest.numel():
+            return False
+        self.used = made.data_ptr() - self.whole.data_ptr() + made.nbytes
+        return True
+
     @staticmethod
     def holding(tensors: list[torch.Tensor]) -> LoadArena | None:
         """The load arena every one of these tensors lives in, or None."""

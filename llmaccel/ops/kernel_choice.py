@@ -165,23 +165,25 @@ COMPACT_TOLERANCE = 0.10
 MAX_WHOLE_SHARE = 0.1
 
 
-def pack_compact(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_compact(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
     """The compact layout of a plain bf16 weight [N, K] (csrc/bf16_compact.cpp: 12 bits a weight, lossless),
-    or None where it does not apply (K not a multiple of 64, not bfloat16, or too few weights it codes)."""
+    or None where it does not apply (K not a multiple of 64, not bfloat16, or too few weights it codes).
+    `into`: uint8 bytes to write it at the front of where it fits (a weight arena's free bytes)."""
     if not (weight.dim() == 2 and weight.shape[1] % 64 == 0 and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.numel() > 0 and compact_available()):
         return None
-    packed = load_cpu_kernels().pack_bf16_compact(weight.contiguous())
+    packed = load_cpu_kernels().pack_bf16_compact(weight.contiguous(), into)
     whole_blocks = packed[32:40].view(torch.int64).item()  # the header's count (bf16_compact.cpp)
     return None if whole_blocks > MAX_WHOLE_SHARE * weight.numel() / 64 else packed
 
 
-def layout_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
-    """A plain bf16 weight in `layout` (plain: itself); ValueError where that layout cannot hold it."""
+def layout_weight(weight: torch.Tensor, layout: str, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A plain bf16 weight in `layout` (plain: itself); ValueError where that layout cannot hold it. `into`: for
+    the compact layout, uint8 bytes to write it at the front of where it fits (pack_compact)."""
     if layout == "vnni":
         return pack_vnni(weight)
     if layout == "compact":
-        packed = pack_compact(weight)
+        packed = pack_compact(weight, into)
         if packed is None:
             raise ValueError(f"a bf16 weight {tuple(weight.shape)} does not fit the compact layout")
         return packed

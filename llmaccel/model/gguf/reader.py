@@ -137,6 +137,21 @@ class GGUFFile:
         process, and one read a slice of rows at a time never holds more than a slice; a later read maps it again."""
         import mmap
 
+        self._advise(mmap.MADV_DONTNEED, tensor, rows, inside=True)
+
+    def prefetch(self, tensor: GGUFTensor, rows: tuple[int, int]) -> None:
+        """Asks the kernel to read `tensor`'s `rows` [first, end) from disk now, while the caller copies the rows
+        before them: a copy that faults each page in waits on the disk page by page (an 8B BF16 file read cold
+        at 0.62 GB/s; asking for the next 16 MB before copying each 8 MB, 1.62 GB/s on the same disk)."""
+        import mmap
+
+        self._advise(mmap.MADV_WILLNEED, tensor, rows, inside=False)
+
+    def _advise(self, advice: int, tensor: GGUFTensor | None, rows: tuple[int, int] | None, inside: bool) -> None:
+        """madvise over `tensor`'s bytes (its `rows` only, where given; the whole file for None): the whole pages
+        inside the range (`inside`), or every page it touches."""
+        import mmap
+
         region = getattr(self.buffer, "_mmap", None)
         if region is None or not hasattr(region, "madvise"):
             return
@@ -147,9 +162,10 @@ class GGUFFile:
             row_bytes = tensor.data.nbytes // tensor.rows
             start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
         page = mmap.PAGESIZE
-        start, end = -(-start // page) * page, end // page * page  # whole pages inside the range only
+        start, end = (-(-start // page) * page, end // page * page) if inside else (
+            start // page * page, min(-(-end // page) * page, len(region)))
         if end > start:
-            region.madvise(mmap.MADV_DONTNEED, start, end - start)
+            region.madvise(advice, start, end - start)
 
     def get(self, key: str, default: object = None) -> object:
         value = self.metadata.get(key, default)

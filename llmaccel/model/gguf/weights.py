@@ -47,6 +47,15 @@ def _raw_rows(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(tensor.data).view(tensor.rows, -1)
 
 
+def _file_rows(order: np.ndarray | None, first: int, rows: int) -> tuple[int, int]:
+    """The file's rows [start, end) that rows `first` .. `first` + READ_ROWS of a tensor come from (`order`: the
+    file row of each, where they are reordered)."""
+    if order is None:
+        return first, min(first + READ_ROWS, rows)
+    taken = order[first:first + READ_ROWS]
+    return int(taken.min()), int(taken.max()) + 1
+
+
 class GGUFWeights(Mapping[str, torch.Tensor]):
     """Dense tensors by HF name (see the module docstring); `packed` and `tables` give the other two views."""
 
@@ -93,8 +102,11 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         order = self.order(name)
         source = (torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(rows, k)
                   if tensor.tensor_type in _TORCH_DENSE else _raw_rows(tensor))
+        self.file.prefetch(tensor, _file_rows(order, 0, rows))
         for start in range(0, rows, READ_ROWS):
             stop = min(start + READ_ROWS, rows)
+            if stop < rows:  # the next slice is read from disk while this one is copied
+                self.file.prefetch(tensor, _file_rows(order, stop, rows))
             taken = np.arange(start, stop) if order is None else order[start:stop]
             part = source[start:stop] if order is None else source[torch.from_numpy(taken)]
             if tensor.tensor_type not in _TORCH_DENSE:

@@ -42,7 +42,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 int64_t window, double scale);
 bool prefill_attention_available();
 torch::Tensor pack_vnni(torch::Tensor w);
-torch::Tensor pack_bf16_compact(torch::Tensor w);
+torch::Tensor pack_bf16_compact(torch::Tensor w, c10::optional<torch::Tensor> into);
 torch::Tensor unpack_bf16_compact(torch::Tensor packed, c10::optional<torch::Tensor> ids);
 torch::Tensor linear_bf16_compact(torch::Tensor x, torch::Tensor packed, bool gemm);
 bool bf16_compact_available();
@@ -125,7 +125,9 @@ PYBIND11_MODULE(_kernels, m) {
         "whether the bfloat16 prefill attention was compiled in (it needs AVX512-BF16)", nogil);
   m.def("pack_vnni", &pack_vnni, "bfloat16 [N, K] -> blocks of 32 columns [N / 32, K / 2, 32, 2] (AMX pairs)", nogil);
   m.def("pack_bf16_compact", &pack_bf16_compact,
-        "bfloat16 [N, K] (K % 64 == 0) -> the compact layout: 12 bits a weight, lossless (uint8 tensor)", nogil);
+        "bfloat16 [N, K] (K % 64 == 0) -> the compact layout: 12 bits a weight, lossless (uint8 tensor); written "
+        "at the front of `into` where given",
+        py::arg("w"), py::arg("into") = py::none(), nogil);
   m.def("unpack_bf16_compact", &unpack_bf16_compact, "a compact weight's rows `ids` (or all) as bfloat16 [*, K]",
         py::arg("packed"), py::arg("ids") = py::none(), nogil);
   m.def("linear_bf16_compact", &linear_bf16_compact,

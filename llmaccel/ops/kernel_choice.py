@@ -52,8 +52,12 @@ FORCE_ENV = "LLMACCEL_BF16_KERNEL"  # one kernel at every row count, in its layo
 # the fastest lone request wherever the timing would pick plain for batches, e.g. the 3B and 8B shapes)
 LAYOUT_ENV = "LLMACCEL_BF16_LAYOUT"
 QUANT_FORCE_ENV = "LLMACCEL_QUANT_KERNEL"  # the same for INT8/INT4 weights: stream or dequant_amx
-LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
-HEAD_BUCKETS = LAYER_BUCKETS[:16]  # the LM head sees one row a sequence: up to 256
+# Steps of 1.5x to 64 rows, where the fastest kernel changes, and of 2x past them, where a projection is compute-bound
+# and the kernels' ratios move slowly (an 8B shape's layer and head timed on a Zen 4: the fastest kernel at 96 rows
+# was the one at 128, and at 192 the one at 256, in 11 of 12 such pairs); the 96- and 192-row buckets took ~6 s of
+# the 8B shape's first start.
+LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
+HEAD_BUCKETS = tuple(rows for rows in LAYER_BUCKETS if rows <= 256)  # the LM head sees one row a sequence
 STREAM_MAX_ROWS = 16  # the streaming kernel is not timed past this (it reads every row in float32)
 # Up to this many rows a decode step is bound by reading the weights, and which kernel reads fastest
 # depends on where they come from: these buckets are timed over every layer's projections in turn, as a

@@ -233,7 +233,8 @@ def test_a_gpt2_gguf_file_runs_as_its_hf_checkpoint(tiny_model_dirs, tmp_path, t
 
 def test_read_into_asks_the_disk_for_each_slice_once_a_slice_ahead(tied_dir, tmp_path, tiny_tokenizer, monkeypatch):
     """The first slice before it is copied, each other while the one before it is (its file rows: q's come from
-    rows llama.cpp's order scatters); the values are the tensor's either way."""
+    rows llama.cpp's order scatters), each with PREFETCH_BYTES of the file past it (after the last slice, the next
+    tensors'); the values are the tensor's either way."""
     from llmaccel.model.gguf import weights as gguf_weights
     from llmaccel.model.loader import load_checkpoint
 
@@ -241,7 +242,7 @@ def test_read_into_asks_the_disk_for_each_slice_once_a_slice_ahead(tied_dir, tmp
     weights = load_checkpoint(str(path)).weights
     monkeypatch.setattr(gguf_weights, "READ_ROWS", 5)
     asked = []
-    monkeypatch.setattr(weights.file, "prefetch", lambda tensor, rows: asked.append(rows))
+    monkeypatch.setattr(weights.file, "prefetch", lambda tensor, rows, beyond: asked.append((rows, beyond)))
     copied = []
     real_release = weights.file.release
     monkeypatch.setattr(weights.file, "release", lambda tensor, rows=None: copied.append((len(asked), rows))
@@ -255,7 +256,8 @@ def test_read_into_asks_the_disk_for_each_slice_once_a_slice_ahead(tied_dir, tmp
         slices = [(int(file_rows[s:s + 5].min()), int(file_rows[s:s + 5].max()) + 1) for s in range(0, rows, 5)]
         out = torch.empty(rows, k, dtype=torch.bfloat16)
         weights.read_into(name, out)
-        assert asked == slices and len(slices) > 2 and (order is None) == name.endswith("v_proj.weight")
-        # when slice i was copied (and handed back), slices 0 .. i + 1 had been asked for
-        assert copied == [(min(i + 2, len(slices)), slices[i]) for i in range(len(slices))]
+        assert asked == [(r, gguf_weights.PREFETCH_BYTES) for r in [*slices, (rows, rows)]]
+        assert len(slices) > 2 and (order is None) == name.endswith("v_proj.weight")
+        # when slice i was copied (and handed back), slices 0 .. i + 1 (or the bytes past the last) had been asked for
+        assert copied == [(i + 2, slices[i]) for i in range(len(slices))]
         assert torch.equal(out, weights[name].bfloat16())

@@ -139,17 +139,19 @@ class GGUFFile:
 
         self._advise(mmap.MADV_DONTNEED, tensor, rows, inside=True)
 
-    def prefetch(self, tensor: GGUFTensor, rows: tuple[int, int]) -> None:
-        """Asks the kernel to read `tensor`'s `rows` [first, end) from disk now, while the caller copies the rows
-        before them: a copy that faults each page in waits on the disk page by page (an 8B BF16 file read cold
-        at 0.62 GB/s; asking for the next 16 MB before copying each 8 MB, 1.62 GB/s on the same disk)."""
+    def prefetch(self, tensor: GGUFTensor, rows: tuple[int, int], beyond: int = 0) -> None:
+        """Asks the kernel to read `tensor`'s `rows` [first, end), and `beyond` bytes of the file past them (the
+        tensors a load reads next), from disk now, while the caller copies what comes before: a copy that faults
+        each page in waits on the disk page by page (an 8B BF16 file read cold at 0.62 GB/s; asking for the next
+        16 MB before copying each 8 MB, 1.62 GB/s on the same disk)."""
         import mmap
 
-        self._advise(mmap.MADV_WILLNEED, tensor, rows, inside=False)
+        self._advise(mmap.MADV_WILLNEED, tensor, rows, inside=False, beyond=beyond)
 
-    def _advise(self, advice: int, tensor: GGUFTensor | None, rows: tuple[int, int] | None, inside: bool) -> None:
-        """madvise over `tensor`'s bytes (its `rows` only, where given; the whole file for None): the whole pages
-        inside the range (`inside`), or every page it touches."""
+    def _advise(self, advice: int, tensor: GGUFTensor | None, rows: tuple[int, int] | None, inside: bool,
+                beyond: int = 0) -> None:
+        """madvise over `tensor`'s bytes (its `rows` only, where given; the whole file for None) and `beyond` bytes
+        past them: the whole pages inside the range (`inside`), or every page it touches."""
         import mmap
 
         region = getattr(self.buffer, "_mmap", None)
@@ -161,6 +163,7 @@ class GGUFFile:
         if tensor is not None and rows is not None:
             row_bytes = tensor.data.nbytes // tensor.rows
             start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+        end += beyond
         page = mmap.PAGESIZE
         start, end = (-(-start // page) * page, end // page * page) if inside else (
             start // page * page, min(-(-end // page) * page, len(region)))

@@ -344,6 +344,7 @@ def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | 
              if plain else [])
     layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
                                            head.weight if head is not None else None, every, invariant, layout)
+    return_freed_memory()  # the timing's heap (references, layout copies) before the arena below takes fresh pages
     moves = [(m, layers_choice) for m in _all_projections(model)] if layers_choice is not None else []
     moves += [(head, head_choice)] if head is not None else []
     arena = _compact_arena([m for m, choice in moves if choice.layout == "compact" and m.weight is not None])

@@ -4,6 +4,7 @@ held against weights + KV pool + 15%."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,14 @@ def test_each_start_is_measured_against_the_bound_and_the_median_reported(llama_
 def test_a_model_that_cannot_be_served_is_named(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)did not come up; its log:.*no-such-model.* not found"):
         main(["bench", "load-memory", str(tmp_path / "no-such-model")])
+
+
+def test_the_page_cache_is_dropped_through_the_kernels_control_or_the_fix_is_named(tmp_path):
+    from llmaccel.bench.load_memory import DROP_CACHES, drop_page_cache
+
+    control = tmp_path / "drop_caches"
+    control.write_text("0\n")
+    drop_page_cache(control)
+    assert control.read_text() == "1\n" and DROP_CACHES == Path("/proc/sys/vm/drop_caches")
+    with pytest.raises(ValueError, match=r"--drop-page-cache cannot write .*missing/drop_caches .*run as root"):
+        drop_page_cache(tmp_path / "missing" / "drop_caches")

@@ -3,8 +3,9 @@ issue 42's bound (peak RSS <= weight bytes + KV pool + 15%).
 
 Each model is served in its own process, started afresh (`--cold`: with an empty kernel-choice cache, so the
 start times its kernels as a first start on a machine does); the peak (VmHWM) and the resident set are read
-the moment /health answers, and the weight and KV pool bytes from /metrics. The page cache is left as it is:
-a file read from disk slows the start, not the memory.
+the moment /health answers, and the weight and KV pool bytes from /metrics. The page cache is left as it is
+(a file read from disk slows the start, not the memory), unless `--drop-page-cache` empties it before each start:
+the start of a file not read since boot, which the disk's speed then bounds.
 """
 
 from __future__ import annotations
@@ -43,7 +44,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory): the first start's kernel timing included")
     parser.add_argument("--serve-command", default=f"{shlex.quote(sys.executable)} -m llmaccel.cli serve",
                         help="the command that serves (another checkout's, to measure it the same way)")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="empty the kernel's page cache before each start (needs root: writes "
+                             f"{DROP_CACHES}), so the model file is read from disk as after a reboot")
     parser.add_argument("--result-json", type=Path, default=None, help="also write the figures here")
+
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache(control: Path = DROP_CACHES) -> None:
+    """Writes dirty pages out, then drops the clean page cache; ValueError naming the fix where not permitted."""
+    os.sync()
+    try:
+        control.write_text("1\n")
+    except OSError as exc:
+        raise ValueError(f"--drop-page-cache cannot write {control} ({exc.strerror}): run as root, or leave the flag "
+                         "out to start with the page cache as it is") from exc
 
 
 def _memory(port: int) -> tuple[dict[str, float], float]:
@@ -62,6 +79,8 @@ def start_once(model: str, args: argparse.Namespace) -> dict:
         env = dict(os.environ)
         if args.cold:
             env["LLMACCEL_CACHE_DIR"] = scratch
+        if args.drop_page_cache:
+            drop_page_cache()
         began = time.monotonic()
         proc = start_server(command, port, Path(scratch) / "server.log", env=env)
         try:
@@ -84,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"model": model, **median, "ready_s": statistics.median(s["ready_s"] for s in starts),
                      "starts": starts})
     kind = "first starts (kernels timed)" if args.cold else "starts with the kernel choice cached"
+    kind += ", page cache dropped before each" if args.drop_page_cache else ""
     print(f"{cpu_model()}; {kind}; serve {args.serve_args or '(defaults)'}, KV pool {args.kv_cache_memory}; "
           f"median of {args.repeats}; GB = 1e9 bytes")
     print("| model | weights GB | KV pool GB | peak GB at /health | bound GB (+15%) | peak / bound | RSS GB "
@@ -96,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps({"machine": cpu_model(), "cold": args.cold,
+                                                "drop_page_cache": args.drop_page_cache,
                                                 "serve_args": args.serve_args, "kv_cache_memory": args.kv_cache_memory,
                                                 "serve_command": args.serve_command, **provenance(), "rows": rows},
                                                indent=1) + "\n")

@@ -29,6 +29,7 @@ from llmaccel.platform import cpu_model
 from llmaccel.server.metrics import PREFIX, parse_metrics
 
 BOUND_MARGIN = 0.15  # issue 42: peak RSS <= weights + KV pool + 15%
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")  # the kernel's control: "1" drops the clean page cache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="empty the kernel's page cache before each start (needs root: writes "
                              f"{DROP_CACHES}), so the model file is read from disk as after a reboot")
     parser.add_argument("--result-json", type=Path, default=None, help="also write the figures here")
-
-
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 def drop_page_cache(control: Path = DROP_CACHES) -> None:

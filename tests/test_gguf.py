@@ -261,3 +261,52 @@ def test_read_into_asks_the_disk_for_each_slice_once_a_slice_ahead(tied_dir, tmp
         # when slice i was copied (and handed back), slices 0 .. i + 1 (or the bytes past the last) had been asked for
         assert copied == [(i + 2, slices[i]) for i in range(len(slices))]
         assert torch.equal(out, weights[name].bfloat16())
+
+
+def test_prefetch_asks_the_disk_only_for_what_the_call_before_did_not(tied_dir, tmp_path, tiny_tokenizer,
+                                                                      monkeypatch):
+    """Each slice's request overlaps the one before it by all but a slice: only the new pages are asked for; a
+    request that does not start inside the last one is asked whole. A release marks the pages it unmaps cold first."""
+    import mmap
+
+    from llmaccel.model.gguf.reader import MADV_COLD, PAGE_SIZE, GGUFFile
+
+    file = GGUFFile(_write(tied_dir, tmp_path, Q.BF16, tiny_tokenizer))
+    advised = []
+    monkeypatch.setattr(file, "_advise", lambda advice, start, end: advised.append((advice, start, end)))
+    tensor = max((t for t in file.tensors.values() if t.data.nbytes >= 4 * PAGE_SIZE), key=lambda t: t.data.ctypes.data)
+    beyond = 2 * PAGE_SIZE
+    whole = file._pages(tensor, (0, tensor.rows // 2), inside=False, beyond=beyond)
+    later = file._pages(tensor, (tensor.rows // 4, tensor.rows), inside=False, beyond=beyond)
+    assert whole[0] < later[0] < whole[1] < later[1]
+    file.prefetch(tensor, (0, tensor.rows // 2), beyond)
+    file.prefetch(tensor, (tensor.rows // 4, tensor.rows), beyond)
+    file.prefetch(tensor, (tensor.rows // 4, tensor.rows // 2), beyond)  # all asked for already
+    earlier = min(file.tensors.values(), key=lambda t: t.data.ctypes.data)
+    first = file._pages(earlier, (0, 1), inside=False)
+    assert first[0] < whole[0]
+    file.prefetch(earlier, (0, 1), 0)  # starts before the last request: asked whole
+    assert advised == [(mmap.MADV_WILLNEED, *whole), (mmap.MADV_WILLNEED, whole[1], later[1]),
+                       (mmap.MADV_WILLNEED, *first)]
+    advised.clear()
+    file.release(tensor, (1, tensor.rows - 1))
+    inside = file._pages(tensor, (1, tensor.rows - 1), inside=True)
+    assert advised == [(MADV_COLD, *inside), (mmap.MADV_DONTNEED, *inside)]
+    assert inside[0] % PAGE_SIZE == 0 and inside[1] % PAGE_SIZE == 0
+
+
+def test_a_tensor_held_as_the_model_holds_it_is_viewed_in_the_mapped_file(tied_dir, tmp_path, tiny_tokenizer):
+    """v, o, gate, up, down and the table: views of the file's bytes; q and k (rows reordered) and a quantized
+    tensor: None, for read_into to copy."""
+    from llmaccel.model.loader import load_checkpoint
+
+    weights = load_checkpoint(str(_write(tied_dir, tmp_path, Q.BF16, tiny_tokenizer))).weights
+    for part in ("self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.gate_proj"):
+        name = f"model.layers.0.{part}.weight"
+        view = weights.mapped(name)
+        assert view.data_ptr() == weights.tensor(name).data.ctypes.data and torch.equal(view, weights[name])
+    assert weights.mapped("model.embed_tokens.weight") is not None
+    assert weights.mapped("model.layers.0.self_attn.q_proj.weight") is None
+    assert weights.mapped("model.layers.0.self_attn.k_proj.weight") is None
+    quantized = load_checkpoint(str(_write(tied_dir, tmp_path, Q.Q8_0, tiny_tokenizer))).weights
+    assert quantized.mapped("model.layers.0.self_attn.o_proj.weight") is None

@@ -1,5 +1,5 @@
 """What every model family shares: weights from the checkpoint, embedding and LM head, the layer loop over a
-flattened batch with paged KV, logits, and the per-shape kernel choice of the CPU projections.
+flattened batch with paged KV, and logits (the CPU projections' kernel choice: model/projection_kernels.py).
 
 A family (model/llama.py, qwen3.py, gemma.py, phi3.py, gpt2.py) subclasses `CausalLM` with its `read_spec`
 and `build_layer`. A layer is called as `layer(hidden, residual, positions, rotary, attention, kv_cache,
@@ -18,14 +18,15 @@ from torch import nn
 
 from llmaccel.errors import CorruptCheckpointError
 from llmaccel.model.layer_taps import LayerTaps
-from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear, weight_bytes
+from llmaccel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, build_linear
+from llmaccel.model.projection_kernels import choose_bf16_kernels, choose_quantized_kernels, plan_bf16_before_reading
 from llmaccel.model.spec import ModelSpec
 from llmaccel.model.step_interrupt import StepInterrupt
 from llmaccel.model.weight_arena import LoadArena, return_freed_memory
 from llmaccel.ops.attention import AttentionMetadata, PagedAttention
-from llmaccel.ops.kernel_choice import Bf16Choice, tune_bf16, tune_quantized
-from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
-from llmaccel.ops.quant_linear import Int4Linear, Int8Linear, quantized_linear
+from llmaccel.ops.kernel_choice import Bf16Choice
+from llmaccel.ops.kquant_linear import ConcatLinear
+from llmaccel.ops.quant_linear import quantized_linear
 from llmaccel.quantization.formats import (
     Int4Weight,
     Int8Weight,
@@ -53,6 +54,10 @@ class WeightLoader:
         self.prequantized = prequantized or {}
         self.tables = tables
         self._arena: LoadArena | None = None
+        # (choice, arena): each matrix `placed` reads is moved into the choice's layout as it is read, written into
+        # the arena (model/projection_kernels.plan_bf16_before_reading); None: read plain, in place
+        self.packing: tuple[Bf16Choice, LoadArena | None] | None = None
+        self._scratch: torch.Tensor | None = None  # where a matrix to be packed is read, reused matrix to matrix
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights or name in self.prequantized
@@ -98,7 +103,13 @@ class WeightLoader:
             return Linear(self.cat(names), bias)
         placed = self.placed(names) if self.quantization is None else None
         if placed is not None:
-            return Linear(placed, bias)
+            linear = Linear(placed, bias)
+            if self.packing is not None:
+                linear.set_bf16_choice(*self.packing)
+                done = getattr(self.weights, "done", None)
+                for name_read in names if callable(done) else ():
+                    done(name_read)
+            return linear
         stored = [self.stored(n) for n in names]
         if (self.quantization is None and self.dtype == torch.float32 and self.device.type == "cpu"
                 and len({t.dtype for t in stored}) == 1 and stored[0].dtype in (torch.bfloat16, torch.float16)):
@@ -109,7 +120,9 @@ class WeightLoader:
         """The named matrices stacked, each read from the checkpoint straight into its rows of one huge-page
         mapping (model/weight_arena.LoadArena), in the order the model asks for them: a bf16 CPU model's dense
         weights, written once where the decode step streams them, with no clone, concatenation or later copy
-        beside them. None where that does not apply (another dtype or device, a family's own layout fix)."""
+        beside them. None where that does not apply (another dtype or device, a family's own layout fix). While
+        `packing`, `dense` packs them into the chosen layout from a scratch buffer they are read into, or from the
+        mapped file itself where it holds one matrix as the model does (the o and down projections, the LM head)."""
         if (self.device.type != "cpu" or self.dtype != torch.bfloat16
                 or type(self).prepare is not WeightLoader.prepare):
             return None
@@ -117,12 +130,21 @@ class WeightLoader:
         if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
             return None
         rows = [s[0] for s in shapes]
-        if self._arena is None:  # a reservation: pages cost memory only once written
-            self._arena = LoadArena(self._dense_bytes())
         itemsize = self.dtype.itemsize
-        place = self._arena.take((sum(rows) * shapes[0][1] * itemsize,))
-        if place is None:
-            return None
+        nbytes = sum(rows) * shapes[0][1] * itemsize
+        if self.packing is not None and len(names) == 1:  # packed from the mapped file where it is held as is
+            mapped = getattr(self.weights, "mapped", None)
+            view = mapped(names[0]) if callable(mapped) else None
+            if view is not None and view.dtype == self.dtype and tuple(view.shape) == shapes[0]:
+                return view
+        if self.packing is not None:
+            place = self._scratch_bytes(nbytes)
+        else:
+            if self._arena is None:  # a reservation: pages cost memory only once written
+                self._arena = LoadArena(self._dense_bytes())
+            place = self._arena.take((nbytes,))
+            if place is None:
+                return None
         weight = place.view(self.dtype).view(sum(rows), shapes[0][1])
         reader = getattr(self.weights, "read_into", None)
         for name, part in zip(names, weight.split(rows), strict=True):
@@ -131,6 +153,14 @@ class WeightLoader:
             else:
                 part.copy_(self.stored(name))
         return weight
+
+    def _scratch_bytes(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the scratch buffer, grown where too small: the same pages for every matrix, so the kernel
+        zeroes fresh pages only for the largest one (the LM head), not for the whole model."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
 
     def _dense_bytes(self) -> int:
         """An upper bound on the bytes of the matrices `placed` can be asked for: every 2-D checkpoint tensor
@@ -198,19 +228,26 @@ class CausalLM(nn.Module):
         self.spec = spec
         take = self.loader_class(weights, dtype, device, quantization, group_size, prequantized, tables)
         self.embed_name, self.head_name, self.final_norm_name = self.weight_names(take)
+        bf16_kernels = device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False
+        plan = None  # the bf16 kernel choice, where it is known before the weights are read
         layers = []
         for i in range(spec.num_layers):
             layers.append(self.build_layer(i, take))
+            if i == 0 and bf16_kernels and type(self).build_embedding is CausalLM.build_embedding:
+                plan = plan_bf16_before_reading(self, take, layers[0], self.plain_head_shape(take, quantize_embedding),
+                                                batch_invariant, bf16_layout)
             return_freed_memory()  # a layer's load temporaries (quantized at load, say) leave no resident heap
         self.layers = nn.ModuleList(layers)
+        take.packing = plan.head_packing() if plan is not None else None
         self.build_embedding(take, quantize_embedding)  # after the layers: a step reads the LM head last
+        take.packing = None
         self.norm = self.build_final_norm(take)
         self.rotary = self.build_rotary(max_positions, dtype, device)
         self.attention = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, device, use_kernel,
                                         scale=spec.attention_scale, softcap=spec.attn_softcap)
         compact_arena = None  # alive until the decode stack has found its weights there (nothing else holds it)
-        if device.type == "cpu" and dtype == torch.bfloat16 and use_kernel is not False:
-            compact_arena = choose_bf16_kernels(self, batch_invariant, bf16_layout)
+        if bf16_kernels:
+            compact_arena = choose_bf16_kernels(self, batch_invariant, bf16_layout, plan)
             choose_quantized_kernels(self)
             return_freed_memory()  # the timing's inputs and layout copies (~1 GB at 8B) leave no resident heap
         self.decode_stack = None
@@ -250,6 +287,17 @@ class CausalLM(nn.Module):
             self.lm_head = take.dense([self.head_name], None, self.head_name, quantize=False)
         else:
             self.lm_head = take.int8_table(self.head_name)
+
+    def plain_head_shape(self, take: WeightLoader, quantize_embedding: bool) -> tuple[int, int] | None:
+        """The shape of the LM head `build_embedding` will make a dense Linear of, read in place in this dtype (the
+        one the bf16 kernel choice is made for); None where it will be quantized or the file's own format."""
+        tied = self.spec.tie_word_embeddings or self.head_name not in take
+        name = self.embed_name if tied else self.head_name
+        if take.quantization is not None or name in take.prequantized:
+            return None
+        if take.table(self.embed_name) is None and (quantize_embedding or self.embed_name in take.prequantized):
+            return None
+        return take.shape(name)
 
     def build_layer(self, i: int, take: WeightLoader) -> nn.Module:
         raise NotImplementedError
@@ -305,98 +353,3 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
-
-
-def _all_projections(model: CausalLM) -> list[nn.Module]:
-    return [m for layer in model.layers for m in layer.projections]
-
-
-DECODE_TIMING_BYTES = 256 << 20  # weights a decode-bucket timing streams: far past any L3, whatever the depth
-
-
-def _streamed_layers(model: CausalLM) -> list[nn.Module]:
-    """The projections of the first layers whose weights add up to DECODE_TIMING_BYTES (all of a small model's):
-    a decode step's weights stream from memory, so its kernels are timed on more than the caches hold, but every
-    layer has the same shapes, so timing all of a deep model's (8 GB a pass at 8B) taught nothing more."""
-    chosen, total = [], 0
-    for layer in model.layers:
-        chosen += list(layer.projections)
-        total += sum(weight_bytes(m) for m in layer.projections)
-        if total >= DECODE_TIMING_BYTES:
-            break
-    return chosen
-
-
-def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | None = None) -> LoadArena | None:
-    """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
-    plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
-    (ops/kernel_choice.py); `invariant`: among the batch-invariant kernels only. A tied embedding table is the
-    head's weight: it reads its rows in that layout. Returns the arena the compact layout's weights were written
-    into (_compact_arena), or None: the caller keeps it until the decode stack has looked there."""
-    modules = tuple(model.layers[0].projections)
-    plain = all(isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.bfloat16 for m in modules)
-    head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.weight is not None else None
-    if head is not None and head.weight.dtype != torch.bfloat16:
-        head = None
-    if not plain and head is None:
-        return None
-    every = ([m.weight for m in _streamed_layers(model) if isinstance(m, Linear) and m.weight is not None]
-             if plain else [])
-    layers_choice, head_choice = tune_bf16([m.weight for m in modules] if plain else [],
-                                           head.weight if head is not None else None, every, invariant, layout)
-    return_freed_memory()  # the timing's heap (references, layout copies) before the arena below takes fresh pages
-    moves = [(m, layers_choice) for m in _all_projections(model)] if layers_choice is not None else []
-    moves += [(head, head_choice)] if head is not None else []
-    arena = _compact_arena([m for m, choice in moves if choice.layout == "compact" and m.weight is not None])
-    for m, choice in moves:
-        m.set_bf16_choice(choice, arena)
-    return arena
-
-
-def _compact_arena(modules: list[Linear]) -> LoadArena | None:
-    """A mapping for these plain weights' compact copies, written in place as each is packed (in the order a step
-    reads them), so the decode stack finds nothing to copy: each takes ~0.76 of its plain bytes, and the mapping
-    is sized at the plain bytes, whose untouched tail never becomes resident. Packed into memory of their own and
-    copied into the decode stack's mapping, an 8B shape's weights filled 11 GB of fresh pages twice, which the
-    kernel zeroes first (a third of a load's time on a 2-core VM)."""
-    if not modules:
-        return None
-    return LoadArena(sum(m.weight.nbytes + 2 * LoadArena.ALIGN for m in modules))
-
-
-def unify_bf16_kernels(model: CausalLM, rows: int) -> None:
-    """Every bf16 projection (and the decode stack) runs the one-row kernel from 1 to `rows` rows
-    (Bf16Choice.lone_kernel_to). Speculative decoding asks this for 1 + K rows: verifying a lone request's
-    drafts then rounds as decoding it without drafts does, whichever kernels the tuner chose."""
-    for module in model.modules():
-        if isinstance(module, Linear) and module.is_bf16:
-            module.set_bf16_choice(module.bf16_choice.lone_kernel_to(rows))
-    stack = model.decode_stack
-    if stack is not None and isinstance(stack.choice, Bf16Choice):
-        stack.choice = stack.choice.lone_kernel_to(rows)
-
-
-def _in_blocks(module: nn.Module) -> bool:
-    """INT8/INT4 blocks, K-quant records, or a fused projection of those: the AMX kernel reads them too."""
-    return isinstance(module, Int8Linear | Int4Linear | KQuantLinear | ConcatLinear) and module.streams
-
-
-def choose_quantized_kernels(model: CausalLM) -> None:
-    """In a bfloat16 model, times the streaming and the AMX kernel on the projections in llmaccel's blocks
-    (INT8, INT4, K-quants; or reads the cached timing) and gives each such module its batch choice: the
-    layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py). A
-    K-quant head takes the layers' choice untimed: timing it reads the whole table back to float32 (1 GB
-    at the 1B shape's vocabulary) for the reference check."""
-    modules = list(model.layers[0].projections)
-    layers = modules if all(_in_blocks(m) for m in modules) else []
-    head = model.lm_head if _in_blocks(model.lm_head) else None
-    kquant_head = isinstance(head, KQuantLinear)
-    if not layers and head is None:
-        return
-    layers_choice, head_choice = tune_quantized(layers, None if kquant_head else head)
-    if layers_choice is not None:
-        for m in _all_projections(model):
-            if _in_blocks(m):
-                m.batch_choice = layers_choice
-    if head is not None:
-        head.batch_choice = layers_choice if kquant_head else head_choice

@@ -355,6 +355,66 @@ def pick_layout(seconds: dict[str, list[float]], buckets: int) -> str:
     return layout
 
 
+def cached_bf16_choice(layer_shapes: list[tuple[int, int]], head_shape: tuple[int, int] | None, decode_count: int,
+                       invariant: bool = False, layout: str | None = None
+                       ) -> tuple[Bf16Choice | None, Bf16Choice | None] | None:
+    """What `tune_bf16` would give for weights of these shapes (a layer's projections, the head's or None;
+    `decode_count`: how many projections it would time as a decode step reads them, len(model_weights)) without
+    timing anything: the forced kernel, or the cached timing; None where the weights would have to be timed. A
+    load that knows the choice before it reads the weights writes each straight into the chosen layout."""
+    if forced_choice() is not None:
+        forced = _forced_choice(invariant)
+        return forced if layer_shapes else None, forced if head_shape is not None else None
+    shapes = [tuple(s) for s in layer_shapes] + ([tuple(head_shape)] if head_shape is not None else [])
+    path, _ = _bf16_cache(shapes, decode_count, invariant, layout)
+    cached = _read_cached(path)
+    if cached is not None:
+        logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
+    return cached
+
+
+def _forced_choice(invariant: bool) -> Bf16Choice:
+    """${FORCE_ENV}'s kernel at every row count (forced_choice), a ValueError where --batch-invariant rules it out."""
+    forced = forced_choice()
+    _check_invariant_possible(invariant)
+    if invariant and forced.buckets[0][1] not in ORDERED_KERNELS:
+        raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
+                         f"force one of {', '.join(ORDERED_KERNELS)}")
+    return forced
+
+
+def _check_invariant_possible(invariant: bool) -> None:
+    if invariant and not set(ORDERED_KERNELS) <= set(candidates()):
+        raise ValueError("--batch-invariant in bfloat16 runs the ordered kernels, which need AVX512-BF16; this CPU "
+                         "lacks it: use --dtype float32")
+
+
+def _bf16_cache(shapes: list[tuple[int, ...]], decode_count: int, invariant: bool,
+                layout: str | None) -> tuple[Path, tuple[str, ...]]:
+    """(where the timing of bf16 weights of these shapes is cached, the kernels it offers): `decode_count`
+    projections timed as a decode step reads them (0: none); ValueError for a batch-invariant or layout request
+    this machine has no kernels for."""
+    _check_invariant_possible(invariant)
+    wanted = layout or os.environ.get(LAYOUT_ENV) or None
+
+    # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
+    # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
+    # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)
+    def offered_here(kernel: str) -> bool:
+        if invariant:
+            return kernel in ORDERED_KERNELS
+        return kernel_layout(kernel) == wanted if wanted is not None else kernel not in ORDERED_KERNELS
+
+    offered = tuple(k for k in candidates() if offered_here(k))
+    if not offered:
+        layouts = sorted({kernel_layout(k) for k in candidates()})
+        asked = f"--bf16-layout {wanted}" if layout else f"${LAYOUT_ENV}={wanted!r}"
+        raise ValueError(f"{asked} is not a bf16 layout this machine has kernels for: {', '.join(layouts)}")
+    kind = "bf16" if not decode_count else f"bf16-decode{decode_count}"
+    return _cache_path(shapes, "invariant-" + kind if invariant else kind if wanted is None else f"{kind}-{wanted}",
+                       offered), offered
+
+
 def _cache_path(shapes: list[tuple[int, ...]], kind: str, offered: tuple[str, ...] = ()) -> Path:
     """Where a timing is cached: per machine, torch, kernel build, weight kind, shapes and the kernels timed."""
     kernels = load_cpu_kernels()
@@ -472,33 +532,11 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
     head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed.
     `invariant`: among ORDERED_KERNELS only (--batch-invariant); ValueError where this machine has none.
     `layout` (--bf16-layout; else $LLMACCEL_BF16_LAYOUT; None: the fastest): only that layout's kernels."""
-    forced = forced_choice()
-    if invariant and not set(ORDERED_KERNELS) <= set(candidates()):
-        raise ValueError("--batch-invariant in bfloat16 runs the ordered kernels, which need AVX512-BF16; this CPU "
-                         "lacks it: use --dtype float32")
-    if forced is not None:
-        if invariant and forced.buckets[0][1] not in ORDERED_KERNELS:
-            raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
-                             f"force one of {', '.join(ORDERED_KERNELS)}")
+    if forced_choice() is not None:
+        forced = _forced_choice(invariant)
         return forced if layer_weights else None, forced if head is not None else None
-    wanted = layout or os.environ.get(LAYOUT_ENV) or None
-    # the ordered kernels run with --batch-invariant, or where the vnni layout is asked for: by default the timing
-    # keeps to the kernels it chose before them (at 135M on a Zen 4 they decode within noise of those: 1.02x alone,
-    # 1.03x at 64 rows, paired; not yet measured at the 1-8B shapes, where the compact layout holds 0.75 of the bytes)
-    def offered_here(kernel: str) -> bool:
-        if invariant:
-            return kernel in ORDERED_KERNELS
-        return kernel_layout(kernel) == wanted if wanted is not None else kernel not in ORDERED_KERNELS
-
-    offered = [k for k in candidates() if offered_here(k)]
-    if not offered:
-        layouts = sorted({kernel_layout(k) for k in candidates()})
-        asked = f"--bf16-layout {wanted}" if layout else f"${LAYOUT_ENV}={wanted!r}"
-        raise ValueError(f"{asked} is not a bf16 layout this machine has kernels for: {', '.join(layouts)}")
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
-    kind = "bf16" if not model_weights else f"bf16-decode{len(model_weights)}"
-    path = _cache_path(shapes, "invariant-" + kind if invariant else kind if wanted is None else f"{kind}-{wanted}",
-                       tuple(offered))
+    path, offered = _bf16_cache(shapes, len(model_weights or ()), invariant, layout)
 
     def usable(weights: list[_Weight]) -> tuple[str, ...]:
         kernels = []

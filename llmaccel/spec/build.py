@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from llmaccel.config import SpeculativeConfig
-from llmaccel.model.causal_lm import CausalLM, unify_bf16_kernels
+from llmaccel.model.causal_lm import CausalLM
 from llmaccel.model.layers import weight_bytes
 from llmaccel.model.loader import load_checkpoint
+from llmaccel.model.projection_kernels import unify_bf16_kernels
 from llmaccel.model.registry import model_class
 from llmaccel.model.spec import ModelSpec
 from llmaccel.runner import ModelRunner

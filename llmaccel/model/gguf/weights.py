@@ -120,6 +120,20 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             out[start:stop].copy_(part)
             self.file.release(tensor, (int(taken.min()), int(taken.max()) + 1))
 
+    def mapped(self, name: str) -> torch.Tensor | None:
+        """The named tensor as a view of the mapped file, where the file holds it as the model does (a float type,
+        rows in HF's order), its pages asked of the disk now: a packer reads it straight from the page cache, with
+        no copy in between (`done` then releases it). None where it must be reordered or dequantized (read_into)."""
+        tensor = self._by_name[name]
+        if tensor.tensor_type not in _TORCH_DENSE or self.order(name) is not None:
+            return None
+        self.file.prefetch(tensor, (0, tensor.rows), PREFETCH_BYTES)
+        return torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(tensor.rows, -1)
+
+    def done(self, name: str) -> None:
+        """The named tensor will not be read again at this load: its mapped pages leave this process."""
+        self.file.release(self._by_name[name])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_name)
 

@@ -153,8 +153,8 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
             logger.info("the decode stack cannot take layer %d (%s); decoding layer by layer", i,
                         str(exc).splitlines()[0])
             return None
-    # every layer's bf16 projections share the layers' kernel choice (model/projection_kernels.choose_bf16_kernels), and
-    # so do its INT8/INT4 ones where every projection has one (choose_quantized_kernels)
+    # every layer's bf16 projections share the layers' kernel choice (model/projection_kernels.choose_bf16_kernels),
+    # and so do its INT8/INT4 ones where every projection has one (choose_quantized_kernels)
     choice = next((m.bf16_choice for m in modules if isinstance(m, Linear) and m.is_bf16), None)
     quantized = [getattr(m, "batch_choice", None) for layer in model.layers
                  for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]

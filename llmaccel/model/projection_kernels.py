@@ -7,12 +7,14 @@ each bf16 matrix straight into the chosen layout (`plan_bf16_before_reading`): r
 buffer a matrix at a time and packed from there into the mapping a step streams. Read into a plain mapping first
 and packed after, an 8B shape's load wrote 14.8 GB of plain pages beside the 11 GB it kept, peaked 15.4 GB, and
 left so little memory for the page cache that a second start read most of its file from disk again.
+
+model/causal_lm.py imports this module, so a model here is an nn.Module (a CausalLM: `spec`, `layers`, `lm_head`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,18 +25,22 @@ from llmaccel.ops.kernel_choice import Bf16Choice, cached_bf16_choice, tune_bf16
 from llmaccel.ops.kquant_linear import ConcatLinear, KQuantLinear
 from llmaccel.ops.quant_linear import Int4Linear, Int8Linear
 
-if TYPE_CHECKING:
-    from llmaccel.model.causal_lm import CausalLM, WeightLoader
+
+class PackingLoader(Protocol):
+    """What plan_bf16_before_reading sets on the load's model/causal_lm.WeightLoader (not imported: it imports
+    this module): the layout each matrix it reads next is moved into, and where."""
+
+    packing: tuple[Bf16Choice, LoadArena | None] | None
 
 
-def _all_projections(model: CausalLM) -> list[nn.Module]:
+def _all_projections(model: nn.Module) -> list[nn.Module]:
     return [m for layer in model.layers for m in layer.projections]
 
 
 DECODE_TIMING_BYTES = 256 << 20  # weights a decode-bucket timing streams: far past any L3, whatever the depth
 
 
-def _streamed_layers(model: CausalLM) -> list[nn.Module]:
+def _streamed_layers(model: nn.Module) -> list[nn.Module]:
     """The projections of the first layers whose weights add up to DECODE_TIMING_BYTES (all of a small model's):
     a decode step's weights stream from memory, so its kernels are timed on more than the caches hold, but every
     layer has the same shapes, so timing all of a deep model's (8 GB a pass at 8B) taught nothing more."""
@@ -69,7 +75,7 @@ class Bf16Plan:
         return (self.head, self.arena) if self.head is not None and self.head.layout != "plain" else None
 
 
-def plan_bf16_before_reading(model: CausalLM, take: WeightLoader, first_layer: nn.Module,
+def plan_bf16_before_reading(model: nn.Module, take: PackingLoader, first_layer: nn.Module,
                              head_shape: tuple[int, int] | None, invariant: bool = False,
                              layout: str | None = None) -> Bf16Plan | None:
     """Where the first layer's projections are plain bf16 read in place (WeightLoader.placed) and the choice for
@@ -99,7 +105,7 @@ def plan_bf16_before_reading(model: CausalLM, take: WeightLoader, first_layer: n
     return Bf16Plan(layers, head, (shapes, head_shape), arena)
 
 
-def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | None = None,
+def choose_bf16_kernels(model: nn.Module, invariant: bool = False, layout: str | None = None,
                         plan: Bf16Plan | None = None) -> LoadArena | None:
     """Times the bf16 kernels on the model's own projections (or reads the cached timing) and gives every
     plain bf16 Linear its choice, in the choice's layout: the layers one, the LM head its own
@@ -129,7 +135,7 @@ def choose_bf16_kernels(model: CausalLM, invariant: bool = False, layout: str | 
     return arena
 
 
-def _apply_plan(model: CausalLM, plan: Bf16Plan) -> LoadArena | None:
+def _apply_plan(model: nn.Module, plan: Bf16Plan) -> LoadArena | None:
     """Gives every projection and the LM head the plan's choice (moving any weight still plain into its layout),
     once the built model is found to have the shapes the plan was looked up by."""
     head = model.lm_head if isinstance(model.lm_head, Linear) and model.lm_head.is_bf16 else None
@@ -156,7 +162,7 @@ def _compact_arena(modules: list[Linear]) -> LoadArena | None:
     return LoadArena(sum(m.weight.nbytes + 2 * LoadArena.ALIGN for m in modules))
 
 
-def unify_bf16_kernels(model: CausalLM, rows: int) -> None:
+def unify_bf16_kernels(model: nn.Module, rows: int) -> None:
     """Every bf16 projection (and the decode stack) runs the one-row kernel from 1 to `rows` rows
     (Bf16Choice.lone_kernel_to). Speculative decoding asks this for 1 + K rows: verifying a lone request's
     drafts then rounds as decoding it without drafts does, whichever kernels the tuner chose."""
@@ -173,7 +179,7 @@ def _in_blocks(module: nn.Module) -> bool:
     return isinstance(module, Int8Linear | Int4Linear | KQuantLinear | ConcatLinear) and module.streams
 
 
-def choose_quantized_kernels(model: CausalLM) -> None:
+def choose_quantized_kernels(model: nn.Module) -> None:
     """In a bfloat16 model, times the streaming and the AMX kernel on the projections in llmaccel's blocks
     (INT8, INT4, K-quants; or reads the cached timing) and gives each such module its batch choice: the
     layers' one (timed on the first layer's projections), the LM head its own (ops/kernel_choice.py). A

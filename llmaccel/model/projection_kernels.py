@@ -44,20 +44,21 @@ def _streamed_layers(model: nn.Module) -> list[nn.Module]:
     """The projections of the first layers whose weights add up to DECODE_TIMING_BYTES (all of a small model's):
     a decode step's weights stream from memory, so its kernels are timed on more than the caches hold, but every
     layer has the same shapes, so timing all of a deep model's (8 GB a pass at 8B) taught nothing more."""
-    chosen, total = [], 0
-    for layer in model.layers:
-        chosen += list(layer.projections)
-        total += sum(weight_bytes(m) for m in layer.projections)
-        if total >= DECODE_TIMING_BYTES:
-            break
-    return chosen
+    return _all_projections(model)[:decode_timing_count(model.layers[0], len(model.layers))]
 
 
 def decode_timing_count(first_layer: nn.Module, num_layers: int) -> int:
-    """How many projections _streamed_layers gives for a model of `num_layers` layers like `first_layer`."""
+    """How many projections _streamed_layers gives for a model of `num_layers` layers like `first_layer`: those of
+    the fewest layers whose weights reach DECODE_TIMING_BYTES (a load knows it from the first layer alone)."""
     per_layer = sum(weight_bytes(m) for m in first_layer.projections)
     layers = min(num_layers, max(1, -(-DECODE_TIMING_BYTES // max(per_layer, 1))))
     return layers * len(first_layer.projections)
+
+
+def _compact_room(plain_bytes: int) -> int:
+    """The bytes a compact arena holds for a weight of `plain_bytes`: its compact copy is smaller (~0.76 of them),
+    and each starts on the arena's next aligned edge."""
+    return plain_bytes + 2 * LoadArena.ALIGN
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,10 @@ def plan_bf16_before_reading(model: nn.Module, take: PackingLoader, first_layer:
     layers, head = known
     arena = None
     if "compact" in (layers.layout, head.layout if head is not None else None):
-        per_layer = sum(m.weight.nbytes + 2 * LoadArena.ALIGN for m in modules) if layers.layout == "compact" else 0
-        head_bytes = (2 * head_shape[0] * head_shape[1] + 2 * LoadArena.ALIGN
+        per_layer = sum(_compact_room(m.weight.nbytes) for m in modules) if layers.layout == "compact" else 0
+        head_bytes = (_compact_room(2 * head_shape[0] * head_shape[1])
                       if head is not None and head.layout == "compact" else 0)
-        arena = LoadArena(per_layer * model.spec.num_layers + head_bytes)  # sized as _compact_arena
+        arena = LoadArena(per_layer * model.spec.num_layers + head_bytes)
     for m in modules:
         m.set_bf16_choice(layers, arena)
     take.packing = (layers, arena) if layers.layout != "plain" else None
@@ -159,7 +160,7 @@ def _compact_arena(modules: list[Linear]) -> LoadArena | None:
     kernel zeroes first (a third of a load's time on a 2-core VM)."""
     if not modules:
         return None
-    return LoadArena(sum(m.weight.nbytes + 2 * LoadArena.ALIGN for m in modules))
+    return LoadArena(sum(_compact_room(m.weight.nbytes) for m in modules))
 
 
 def unify_bf16_kernels(model: nn.Module, rows: int) -> None:

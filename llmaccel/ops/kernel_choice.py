@@ -362,20 +362,19 @@ def cached_bf16_choice(layer_shapes: list[tuple[int, int]], head_shape: tuple[in
     `decode_count`: how many projections it would time as a decode step reads them, len(model_weights)) without
     timing anything: the forced kernel, or the cached timing; None where the weights would have to be timed. A
     load that knows the choice before it reads the weights writes each straight into the chosen layout."""
-    if forced_choice() is not None:
-        forced = _forced_choice(invariant)
+    forced = _forced_choice(invariant)
+    if forced is not None:
         return forced if layer_shapes else None, forced if head_shape is not None else None
     shapes = [tuple(s) for s in layer_shapes] + ([tuple(head_shape)] if head_shape is not None else [])
-    path, _ = _bf16_cache(shapes, decode_count, invariant, layout)
-    cached = _read_cached(path)
-    if cached is not None:
-        logger.info("bf16 kernels (cached, %s): layers %s; LM head %s", path, *map(_describe, cached))
-    return cached
+    return _from_cache("bf16", _bf16_cache(shapes, decode_count, invariant, layout)[0])
 
 
-def _forced_choice(invariant: bool) -> Bf16Choice:
-    """${FORCE_ENV}'s kernel at every row count (forced_choice), a ValueError where --batch-invariant rules it out."""
+def _forced_choice(invariant: bool) -> Bf16Choice | None:
+    """${FORCE_ENV}'s kernel at every row count (forced_choice), or None where none is forced; a ValueError where
+    --batch-invariant rules it out."""
     forced = forced_choice()
+    if forced is None:
+        return None
     _check_invariant_possible(invariant)
     if invariant and forced.buckets[0][1] not in ORDERED_KERNELS:
         raise ValueError(f"${FORCE_ENV}={forced.buckets[0][1]!r} is not batch-invariant: with --batch-invariant "
@@ -436,6 +435,14 @@ def _read_cached(path: Path) -> tuple[Bf16Choice | None, Bf16Choice | None] | No
         return None
 
 
+def _from_cache(what: str, path: Path) -> tuple[Bf16Choice | None, Bf16Choice | None] | None:
+    """The timing cached at `path` (logged where found), or None."""
+    cached = _read_cached(path)
+    if cached is not None:
+        logger.info("%s kernels (cached, %s): layers %s; LM head %s", what, path, *map(_describe, cached))
+    return cached
+
+
 def _write_cache(path: Path, layers: Bf16Choice | None, head: Bf16Choice | None, seconds: float,
                  timings: dict) -> None:
     record = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(seconds, 2),
@@ -463,9 +470,8 @@ def _cached_or_timed(what: str, path: Path, wrap: Callable[[], tuple[list, objec
     """(the layers' choice, the LM head's) from the cache at `path`, or timed now and cached: `wrap` gives
     the weights to time (each with `plain` and `run`; and every layer's, for the decode buckets, or None),
     `usable` the kernels that passed their checks."""
-    cached = _read_cached(path)
+    cached = _from_cache(what, path)
     if cached is not None:
-        logger.info("%s kernels (cached, %s): layers %s; LM head %s", what, path, *map(_describe, cached))
         return cached
     start = time.perf_counter()
     timings: dict = {"layers": {}, "lm_head": {}}
@@ -532,8 +538,8 @@ def tune_bf16(layer_weights: list[torch.Tensor], head: torch.Tensor | None,
     head or None; every layer's projections, for the decode buckets, or None): from the cache, or timed.
     `invariant`: among ORDERED_KERNELS only (--batch-invariant); ValueError where this machine has none.
     `layout` (--bf16-layout; else $LLMACCEL_BF16_LAYOUT; None: the fastest): only that layout's kernels."""
-    if forced_choice() is not None:
-        forced = _forced_choice(invariant)
+    forced = _forced_choice(invariant)
+    if forced is not None:
         return forced if layer_weights else None, forced if head is not None else None
     shapes = [tuple(w.shape) for w in layer_weights + ([head] if head is not None else [])]
     path, offered = _bf16_cache(shapes, len(model_weights or ()), invariant, layout)

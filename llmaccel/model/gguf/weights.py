@@ -50,6 +50,11 @@ def _raw_rows(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(tensor.data).view(tensor.rows, -1)
 
 
+def _dense_rows(tensor: GGUFTensor) -> torch.Tensor:
+    """An F32 / F16 / BF16 tensor as its torch dtype [rows, inputs], a view of the mapped file."""
+    return torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(tensor.rows, -1)
+
+
 def _file_rows(order: np.ndarray | None, first: int, rows: int, count: int | None = None) -> tuple[int, int]:
     """The file's rows [start, end) that rows `first` .. `first` + `count` (READ_ROWS) of a tensor of `rows` come
     from (`order`: the file row of each, where they are reordered); none past the last."""
@@ -106,8 +111,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         tensor = self._by_name[name]
         rows, k = tensor.rows, int(tensor.shape[0])
         order = self.order(name)
-        source = (torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(rows, k)
-                  if tensor.tensor_type in _TORCH_DENSE else _raw_rows(tensor))
+        source = _dense_rows(tensor) if tensor.tensor_type in _TORCH_DENSE else _raw_rows(tensor)
         self.file.prefetch(tensor, _file_rows(order, 0, rows), PREFETCH_BYTES)
         for start in range(0, rows, READ_ROWS):
             stop = min(start + READ_ROWS, rows)
@@ -128,7 +132,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         if tensor.tensor_type not in _TORCH_DENSE or self.order(name) is not None:
             return None
         self.file.prefetch(tensor, (0, tensor.rows), PREFETCH_BYTES)
-        return torch.from_numpy(tensor.data).view(_TORCH_DENSE[tensor.tensor_type]).view(tensor.rows, -1)
+        return _dense_rows(tensor)
 
     def done(self, name: str) -> None:
         """The named tensor will not be read again at this load: its mapped pages leave this process."""
